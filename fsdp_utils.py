@@ -1,0 +1,106 @@
+"""Build and shard the actor with FSDP2, its optimizer and schedule, and save it.
+
+FSDP2 idioms (after torchtitan): build on the meta device, `fully_shard` every decoder layer and
+then the root, materialise shards with `to_empty`, and fill them from one full copy read on rank 0
+(`broadcast_from_rank0`), so a node never holds world_size copies of the checkpoint in memory.
+Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import npu_ops
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # local directory or hub id of a HF causal LM (Qwen2/Qwen3 tested)
+    param_dtype: str = "bfloat16"  # compute dtype of the actor (FSDP2 MixedPrecisionPolicy)
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype
+    reshard_after_forward: bool = True  # True = ZeRO-3; False = ZeRO-2 (faster below ~7B)
+    gradient_checkpointing: bool = False  # recompute activations in backward: memory for time
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    schedule: str = "constant"  # constant | cosine (after warmup, down to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+
+
+def build_actor(cfg: ModelConfig, mesh) -> torch.nn.Module:
+    """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(cfg.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
+    full = None
+    if dist.get_rank() == 0:
+        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype),
+                              reduce_dtype=getattr(torch, cfg.reduce_dtype))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    model.to_empty(device=npu_ops.local_device())
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers that are not in the checkpoint (rotary inv_freq) were left uninitialised by
+    # to_empty: take rank 0's freshly constructed ones.
+    ref = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if dist.get_rank() == 0:
+            buf.copy_(ref[name])
+        dist.broadcast(buf, src=0)
+    del full
+    return model
+
+
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
+
+    def lr_factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm across shards; returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else 1e30)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return norm.item()
+
+
+def save_hf(model: torch.nn.Module, tokenizer, out_dir: str) -> None:
+    """Gather the full state dict (every rank must call) and write a HF checkpoint from rank 0."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                              cpu_offload=True))
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        model.save_pretrained(out_dir, state_dict=sd)
+        tokenizer.save_pretrained(out_dir)
+    dist.barrier()

@@ -1,0 +1,150 @@
+"""The rollout engine: an in-process vLLM `LLM` on every rank. The only file that imports vllm.
+
+The engine is built with `distributed_executor_backend="external_launcher"`: it joins the process
+group torchrun (or the notebook) already made, and needs no extra process. Ranks are laid out as
+consecutive tensor-parallel groups of `tp_size`; the ranks of one group must pass identical prompts
+and get identical samples (same seed), and groups generate different prompts (data parallel).
+
+Lifecycle of one step, driven by train_grpo.py:
+    engine.wake(["weights"]); engine.load_weights(pairs); engine.wake(["kv_cache"])
+    samples = engine.generate(prompt_ids, n=group_size)
+    engine.sleep()
+Wake order matters: writing into a sleeping engine writes into unmapped memory, and waking the KV
+cache before the weights wastes the memory the new weights need.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import npu_ops
+
+log = logging.getLogger("grpo")
+
+# vLLM versions whose internals `_reload_weights_in_place` was written against and tested with.
+TESTED_VLLM = ("0.32",)
+
+
+@dataclass
+class RolloutConfig:
+    tp_size: int = 1  # tensor-parallel ranks per engine; world_size must be a multiple
+    dtype: str = "bfloat16"  # engine dtype, always explicit (vLLM silently runs fp32 ckpts in bf16)
+    max_model_len: int = 2048  # prompt + response tokens
+    max_num_seqs: int = 256  # concurrent sequences in the engine
+    gpu_memory_utilization: float = 0.5  # engine's share of device memory (weights + KV cache)
+    kv_cache_memory_bytes: int = 0  # >0: exact KV-cache size instead of the memory fraction
+    enforce_eager: bool = True  # no graph capture (graph capture needs its own env on Ascend)
+    enable_prefix_caching: bool = True  # the G samples of one prompt share its KV
+    enable_chunked_prefill: bool = True
+    sleep_level: int = 1  # 1 = offload weights, drop KV; level 2 is unsafe on vLLM-Ascend
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    seed: int = 0  # per engine group: seed + index of the tensor-parallel group
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp: list[float]  # the engine's logprob of each sampled token (post-temperature)
+    truncated: bool  # stopped at max_new_tokens, not at EOS
+
+
+class Engine:
+    """generate / sleep / wake / load_weights around one in-process vLLM LLM."""
+
+    def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0):
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.can_sleep = npu_ops.engine_supports_sleep()
+        if not self.can_sleep:
+            log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
+                     "engine memory stays allocated", npu_ops.device_type())
+        memory = ({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes} if cfg.kv_cache_memory_bytes
+                  else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        self.llm = LLM(
+            model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
+            distributed_executor_backend="external_launcher", seed=cfg.seed + tp_group_index,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
+            # logprobs after temperature: what the trainer computes from logits / temperature
+            logprobs_mode="processed_logprobs", **memory)
+        self.asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False) -> list[Sample]:
+        """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major."""
+        from vllm import SamplingParams
+
+        assert not self.asleep, "wake the engine before generate"
+        params = SamplingParams(
+            n=n, temperature=0.0 if greedy else self.cfg.temperature,
+            top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens, logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                 use_tqdm=False)
+        samples = []
+        for prompt, out in zip(prompt_ids, outs):
+            for c in out.outputs:
+                logp = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)]
+                samples.append(Sample(list(prompt), list(c.token_ids), logp,
+                                      c.finish_reason == "length"))
+        return samples
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """The engine's logprob of every token after the first of each sequence (a probe)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
+                                 use_tqdm=False)
+        return [[lp[tok].logprob for tok, lp in zip(t[1:], o.prompt_logprobs[1:])]
+                for t, o in zip(token_ids, outs)]
+
+    def sleep(self) -> None:
+        if self.can_sleep:
+            self.llm.sleep(level=self.cfg.sleep_level)
+        self.asleep = True
+
+    def wake(self, tags: list[str]) -> None:
+        """tags: ["weights"] before loading weights, then ["kv_cache"] before generating."""
+        if self.can_sleep:
+            self.llm.wake_up(tags=tags)
+        if "kv_cache" in tags:
+            self.asleep = False
+
+    def shutdown(self) -> None:
+        """Free the engine and vLLM's process groups. vLLM also destroys the default process
+        group here, so callers must check `dist.is_initialized()` afterwards."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        del self.llm
+        cleanup_dist_env_and_memory()
+
+    def load_weights(self, named_tensors) -> None:
+        """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
+        prefix cache: cached prompt KV from the old weights would otherwise be reused."""
+        _reload_weights_in_place(self.llm, named_tensors)
+        self.llm.reset_prefix_cache()
+
+
+def _reload_weights_in_place(llm, named_tensors) -> None:
+    """The one place that reaches into vLLM internals.
+
+    `reload_weights` on the worker takes an iterator of (checkpoint name, tensor) and copies each
+    into the existing parameter storage, layer by layer (vLLM's layerwise reload), sharding for
+    tensor parallelism and running `process_weights_after_loading` once per layer after its last
+    tensor. The iterator is consumed lazily inside the worker of this process (external launcher),
+    so the caller can gather one tensor at a time and never hold a second copy of the model.
+    Never pass `weights_iterator=None`: that reloads the checkpoint from disk, i.e. the base model.
+    """
+    import vllm
+
+    version = ".".join(vllm.__version__.split(".")[:2])
+    if version not in TESTED_VLLM:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} is untested for in-place weight sync (tested: "
+            f"{', '.join(TESTED_VLLM)}). Install a tested version, or check that the worker's "
+            f"`reload_weights(weights_iterator=...)` still loads in place and add it to TESTED_VLLM "
+            f"in rollout.py.")
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})

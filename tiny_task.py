@@ -1,0 +1,87 @@
+"""The built-in offline task: a tiny random-init Qwen2, a locally trained tokenizer, and `a+b=` prompts.
+
+Everything here is deterministic and created only if missing, so `configs/tiny_cpu.yaml` works on
+a fresh machine with no model download. The model is tiny (hidden 128, head_dim 32, 2 layers) but
+it is a real Qwen2 checkpoint: the trainer, the vLLM engine and the weight sync treat it exactly as
+they would treat Qwen2.5-7B.
+
+    python tiny_task.py /tmp/tiny      # or let train_grpo.py call ensure_tiny_task(...)
+
+Files written under `root`: `model/` (config, safetensors, tokenizer), `train.jsonl`, `test.jsonl`.
+Each jsonl row is {"prompt": "3+4=", "answer": "7"}.
+"""
+
+import json
+import os
+import random
+import sys
+
+MAX_SUM = 9  # prompts are a+b= with a+b <= MAX_SUM, so every answer is one digit
+
+
+def make_prompts(max_sum: int = MAX_SUM) -> list[dict]:
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            for a in range(max_sum + 1) for b in range(max_sum + 1 - a)]
+
+
+def train_tokenizer(corpus: list[str]):
+    """A character-level tokenizer trained (vocabulary learnt) on `corpus` with HF `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per char
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<eos>", "<unk>"])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def build_tiny_qwen2(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,  # head_dim 32: the smallest vLLM accepts
+        max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    return model
+
+
+def ensure_tiny_task(root: str, seed: int = 0) -> str:
+    """Create the tiny model, tokenizer and prompt files under `root` if missing; return `root`.
+
+    Safe to call from every rank: each file is written to a temporary name and renamed, and a
+    complete task is marked by `root/READY`.
+    """
+    if os.path.exists(os.path.join(root, "READY")):
+        return root
+    tmp = f"{root}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    rows = make_prompts()
+    random.Random(seed).shuffle(rows)
+    for name, part in (("train.jsonl", rows), ("test.jsonl", rows)):  # the task is tiny: eval = train
+        with open(os.path.join(tmp, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    tok = train_tokenizer([r["prompt"] + r["answer"] for r in rows])
+    model = build_tiny_qwen2(len(tok), tok.eos_token_id, tok.pad_token_id, seed)
+    model.save_pretrained(os.path.join(tmp, "model"))
+    tok.save_pretrained(os.path.join(tmp, "model"))
+    open(os.path.join(tmp, "READY"), "w").close()
+    try:
+        os.rename(tmp, root)  # atomic: a concurrent rank either wins or finds `root` already there
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+if __name__ == "__main__":
+    print(ensure_tiny_task(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny_task"))
