@@ -35,6 +35,7 @@ class RolloutConfig:
     enforce_eager: bool = True  # no graph capture (graph capture needs its own env on Ascend)
     enable_prefix_caching: bool = True  # the G samples of one prompt share its KV
     enable_chunked_prefill: bool = True
+    block_size: int = 0  # KV-cache block in tokens; 0 = the platform's default (128 on CPU)
     sleep_level: int = 1  # 1 = offload weights, drop KV; level 2 is unsafe on vLLM-Ascend
     temperature: float = 1.0
     top_p: float = 1.0
@@ -61,6 +62,7 @@ class Engine:
         if not self.can_sleep:
             log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
                      "engine memory stays allocated", npu_ops.device_type())
+        extra = {"block_size": cfg.block_size} if cfg.block_size else {}
         memory = ({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes} if cfg.kv_cache_memory_bytes
                   else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
         self.llm = LLM(
@@ -70,7 +72,7 @@ class Engine:
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
             # logprobs after temperature: what the trainer computes from logits / temperature
-            logprobs_mode="processed_logprobs", **memory)
+            logprobs_mode="processed_logprobs", **memory, **extra)
         self.asleep = False
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False) -> list[Sample]:

@@ -265,6 +265,34 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches + [cur] if cur else batches
 
 
+def policy_update(actor, samples: list, adv: torch.Tensor, cfg: Config, pad_id: int, device) -> float:
+    """Forward/backward over this rank's samples in micro-batches; gradients accumulate in the
+    actor (the caller steps the optimizer). Every rank must call it (FSDP collectives).
+    Returns the summed |trainer logp - engine logp| over response tokens."""
+    n_tokens = torch.tensor(float(sum(len(s.response_ids) for s in samples)))
+    dist.all_reduce(n_tokens)  # response tokens in the global batch: the loss's denominator
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                              cfg.grpo.micro_batch_tokens)
+    n_micro = torch.tensor(len(plan))
+    dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)  # FSDP needs equal forward counts per rank
+    plan += [[]] * (int(n_micro) - len(plan))
+    actor.train()
+    gap_sum = 0.0
+    for idx in plan:
+        dummy = not idx  # a rank with fewer micro-batches joins the collectives with zero loss
+        mb = [samples[i] for i in idx or [0]]
+        ids, attn, targets, mask, engine_logp = (t.to(device) for t in pad_batch(mb, pad_id))
+        logits = actor(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (n, T-1, V)
+        logp = token_logprobs(logits, targets, cfg.rollout.temperature)  # (n, T-1)
+        loss = grpo_loss(logp, logp.detach(), adv[idx or [0]].to(device), mask,
+                         cfg.grpo.clip_eps, n_tokens.item())
+        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
+        (loss * (0.0 if dummy else dist.get_world_size())).backward()
+        if not dummy:
+            gap_sum += ((logp.detach() - engine_logp).abs() * mask).sum().item()
+    return gap_sum
+
+
 # ----------------------------------------------------------------------------------------------
 # the loop
 
@@ -379,29 +407,9 @@ def train(cfg: Config) -> dict:
             # 3) update: this rank trains on its 1/tp share of the engine group's samples
             t_train = time.perf_counter()
             mine = list(range(tp_rank, len(samples), tp))
+            gap_sum = policy_update(actor, [samples[i] for i in mine], adv[mine], cfg,
+                                    tokenizer.pad_token_id, device)
             local_tokens = sum(len(samples[i].response_ids) for i in mine)
-            n_tokens = torch.tensor(float(local_tokens))
-            dist.all_reduce(n_tokens)  # response tokens in the global batch
-            plan = plan_micro_batches([len(samples[i].prompt_ids) + len(samples[i].response_ids)
-                                       for i in mine], cfg.grpo.micro_batch_tokens)
-            n_micro = torch.tensor(len(plan))
-            dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)  # FSDP: equal forward counts per rank
-            plan += [[]] * (n_micro.item() - len(plan))
-            actor.train()
-            gap_sum = 0.0
-            for idx in plan:
-                dummy = not idx  # a rank with fewer micro-batches joins the collectives with 0 loss
-                mb = [samples[mine[i]] for i in idx] if idx else [samples[mine[0]]]
-                ids, attn, targets, mask, engine_logp = (t.to(device) for t in
-                                                         pad_batch(mb, tokenizer.pad_token_id))
-                logits = actor(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (n, T-1, V)
-                logp = token_logprobs(logits, targets, cfg.rollout.temperature)  # (n, T-1)
-                mb_adv = adv[[mine[i] for i in idx]].to(device) if idx else torch.zeros(1, device=device)
-                loss = grpo_loss(logp, logp.detach(), mb_adv, mask, cfg.grpo.clip_eps, n_tokens.item())
-                # FSDP averages gradients over ranks; the loss is already a global mean
-                (loss * (0.0 if dummy else world)).backward()
-                if not dummy:
-                    gap_sum += ((logp.detach() - engine_logp).abs() * mask).sum().item()
             grad_norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
             opt.step()
             sched.step()

@@ -1,0 +1,34 @@
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None) -> str:
+    """Run `args` under torchrun with `nproc` CPU ranks; fail the test with its output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_task_dir(tmp_path_factory):
+    import tiny_task
+
+    return tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task"))

@@ -1,0 +1,76 @@
+"""Config loading: precedence, coercion and the errors a user sees before any model loads."""
+
+import pytest
+
+from train_grpo import Config, load_config, validate
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_and_coercion(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: 1e-6\n  warmup_steps: 3\ngrpo:\n  group_size: 4\n")
+    cfg = load_config(path, ["--optim.lr=2e-5", "--model.gradient_checkpointing", "true",
+                             "--rollout.temperature=1"])
+    assert cfg.optim.lr == 2e-5 and isinstance(cfg.optim.lr, float)  # CLI over file
+    assert cfg.optim.warmup_steps == 3 and cfg.grpo.group_size == 4  # file over defaults
+    assert cfg.model.gradient_checkpointing is True
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.train.steps == Config().train.steps  # untouched default
+    # PyYAML reads 1e-6 (no dot) as a string: it must still become a float
+    assert load_config(path).optim.lr == 1e-6
+
+
+def test_unknown_key_names_closest(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key 'optim.lrr'.*'optim.lr'"):
+        load_config(write(tmp_path, "optim:\n  lrr: 1e-6\n"))
+    with pytest.raises(ValueError, match=r"'grpo.group_size'"):
+        load_config(None, ["--grpo.groupsize=4"])
+    with pytest.raises(ValueError, match=r"unknown config section 'optm'.*'optim'"):
+        load_config(None, ["--optm.lr=1"])
+
+
+def test_wrong_type_names_field(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.group_size: expected int, got 'eight'"):
+        load_config(write(tmp_path, "grpo:\n  group_size: eight\n"))
+    with pytest.raises(ValueError, match=r"grpo.group_size: expected int, got '2.5'"):
+        load_config(None, ["--grpo.group_size", "2.5"])
+    with pytest.raises(ValueError, match=r"model.reshard_after_forward: expected bool"):
+        load_config(None, ["--model.reshard_after_forward=maybe"])
+    with pytest.raises(ValueError, match=r"optim.lr: expected float"):
+        load_config(write(tmp_path, "optim:\n  lr: [1, 2]\n"))
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="config file not found: nope.yaml"):
+        load_config("nope.yaml")
+
+
+def test_shipped_config_loads():
+    cfg = load_config("configs/tiny_cpu.yaml")
+    validate(cfg, world_size=2)
+    assert cfg.rollout.dtype == "float32" and cfg.rollout.kv_cache_memory_bytes > 0
+
+
+@pytest.mark.parametrize("override, world, message", [
+    ("--rollout.tp_size=3", 2, "rollout.tp_size=3 must divide the world size 2"),
+    ("--grpo.prompts_per_step=3", 2, "grpo.prompts_per_step=3 must be a multiple"),
+    ("--grpo.group_size=1", 1, "grpo.group_size=1"),
+    ("--data.reward=nope", 1, "data.reward='nope' is not one of"),
+    ("--rollout.max_new_tokens=100", 1, "rollout.max_new_tokens=100 must be below"),
+    ("--rollout.dtype=float33", 1, "rollout.dtype='float33' is not a torch dtype"),
+    ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
+])
+def test_derived_constraints(override, world, message):
+    cfg = load_config("configs/tiny_cpu.yaml", [override])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        validate(cfg, world)
+
+
+def test_missing_data_and_model_paths():
+    cfg = load_config(None, ["--data.path=/nonexistent.jsonl"])
+    with pytest.raises(ValueError, match="data.path='/nonexistent.jsonl' is not a file"):
+        validate(cfg, 1)
