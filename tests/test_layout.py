@@ -1,0 +1,68 @@
+"""The shape of the codebase: the import DAG, and which file may touch vllm, torch_npu, FSDP."""
+
+import ast
+import glob
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+# file -> project modules it may import (DESIGN.md's table; tiny_task is the built-in task)
+ALLOWED = {
+    "npu_ops": set(), "rewards": set(), "tiny_task": set(),
+    "fsdp_utils": {"npu_ops"}, "rollout": {"npu_ops"}, "weight_sync": {"npu_ops"},
+    "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "rollout", "weight_sync"},
+}
+
+
+def top_level_files():
+    return sorted(glob.glob(os.path.join(ROOT, "*.py")))
+
+
+def imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_top_level_file_is_known():
+    assert {os.path.basename(p)[:-3] for p in top_level_files()} == set(ALLOWED)
+
+
+def test_import_dag():
+    for path in top_level_files():
+        mod = os.path.basename(path)[:-3]
+        project = imports(path) & set(ALLOWED)
+        assert project <= ALLOWED[mod], f"{mod} imports {project - ALLOWED[mod]}"
+
+
+def test_only_rollout_imports_vllm():
+    users = [os.path.basename(p) for p in top_level_files() if "vllm" in imports(p)]
+    assert users == ["rollout.py"]
+
+
+def test_only_fsdp_utils_shards():
+    users = [os.path.basename(p) for p in top_level_files() if "fully_shard" in open(p).read()]
+    assert users == ["fsdp_utils.py"]
+
+
+def test_device_names_only_in_npu_ops():
+    word = re.compile(r"\b(torch_npu|npu|cuda)\b", re.IGNORECASE)
+    users = [os.path.basename(p) for p in top_level_files() if word.search(open(p).read())]
+    assert users == ["npu_ops.py"]
+
+
+def test_nothing_runs_at_import():
+    code = ("import sys, torch.distributed as dist\n"
+            "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
+            "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
+            "assert not dist.is_initialized()\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""

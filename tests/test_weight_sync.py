@@ -1,0 +1,43 @@
+"""weight_sync.push on a plain (unsharded) model with a recording engine: order, names, dtype."""
+
+import torch
+
+import tiny_task
+import weight_sync
+from rollout import RolloutConfig
+
+
+class RecordingEngine:
+    def __init__(self, dtype):
+        self.cfg = RolloutConfig(dtype=dtype)
+        self.calls, self.received = [], {}
+
+    def wake(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+    def load_weights(self, pairs):
+        self.calls.append(("load_weights",))
+        for name, tensor in pairs:  # consumed lazily, as vLLM's worker does
+            self.received[name] = tensor.clone()
+
+
+def test_push_order_names_dtype_and_tied_head():
+    model = tiny_task.build_tiny_qwen2(vocab_size=15, eos_id=1, pad_id=0)
+    engine = RecordingEngine("bfloat16")
+    stats = weight_sync.push(model, engine)
+
+    # weights wake first, then the load, then the KV cache: never load into a sleeping engine
+    assert engine.calls == [("wake", ("weights",)), ("load_weights",), ("wake", ("kv_cache",))]
+    # every checkpoint tensor, under its HF name, including the tied lm_head sent explicitly
+    assert set(engine.received) == set(model.state_dict())
+    assert "lm_head.weight" in engine.received
+    for name, tensor in model.state_dict().items():
+        assert engine.received[name].dtype == torch.bfloat16
+        assert torch.equal(engine.received[name], tensor.to(torch.bfloat16)), name
+    assert stats["bytes"] == sum(t.numel() * 2 for t in model.state_dict().values())
+    assert stats["seconds"] >= 0
+
+
+def test_wrapper_prefixes_are_stripped():
+    assert weight_sync.hf_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj"
+                               ".weight") == "model.layers.0.mlp.up_proj.weight"
