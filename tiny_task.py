@@ -38,24 +38,27 @@ def train_tokenizer(corpus: list[str]):
                                    unk_token="<unk>")
 
 
-def build_tiny_qwen2(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0):
+def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, arch: str = "qwen2"):
+    """A random-init Qwen2 (or Qwen3, for tests) small enough for CPU, shaped so vLLM accepts it."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen2Config(
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    cfg = config_cls(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,  # head_dim 32: the smallest vLLM accepts
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # the smallest vLLM accepts
         max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
+        model = model_cls(cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     return model
 
 
-def ensure_tiny_task(root: str, seed: int = 0) -> str:
+def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2") -> str:
     """Create the tiny model, tokenizer and prompt files under `root` if missing; return `root`.
 
     Safe to call from every rank: each file is written to a temporary name and renamed, and a
@@ -71,7 +74,7 @@ def ensure_tiny_task(root: str, seed: int = 0) -> str:
         with open(os.path.join(tmp, name), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
     tok = train_tokenizer([r["prompt"] + r["answer"] for r in rows])
-    model = build_tiny_qwen2(len(tok), tok.eos_token_id, tok.pad_token_id, seed)
+    model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed, arch)
     model.save_pretrained(os.path.join(tmp, "model"))
     tok.save_pretrained(os.path.join(tmp, "model"))
     open(os.path.join(tmp, "READY"), "w").close()

@@ -367,12 +367,12 @@ def train(cfg: Config) -> dict:
 
     # the engine first: building vLLM reseeds torch
     engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=engine_idx)
+    engine.sleep()  # before the actor loads: its memory goes to training until the first sync
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(npu_ops.device_type(), (world,))
     actor = fsdp_utils.build_actor(cfg.model, mesh)
     opt, sched = fsdp_utils.build_optimizer(cfg.optim, actor, cfg.train.steps)
     device = npu_ops.local_device()
-    engine.sleep()
     wandb = None
     if cfg.log.wandb_project and rank == 0:
         import wandb
@@ -380,7 +380,7 @@ def train(cfg: Config) -> dict:
         wandb.init(project=cfg.log.wandb_project, config=dataclasses.asdict(cfg))
 
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.train.seed))
-    metrics_file = open(os.path.join(out, "metrics.jsonl"), "a") if rank == 0 else None
+    metrics_file = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
     bar = tqdm(range(1, cfg.train.steps + 1), disable=rank != 0, desc="steps", file=sys.stdout)
     metrics = {}
     try:

@@ -32,3 +32,12 @@ def tiny_task_dir(tmp_path_factory):
     import tiny_task
 
     return tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_task_dir, tmp_path_factory):
+    """{"qwen2": model dir, "qwen3": model dir}, same tokenizer."""
+    import tiny_task
+
+    qwen3 = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny3") / "task"), arch="qwen3")
+    return {"qwen2": f"{tiny_task_dir}/model", "qwen3": f"{qwen3}/model"}

@@ -6,8 +6,9 @@ import pytest
 from conftest import launch
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_engine_matches_trainer_after_sync(tiny_task_dir, tp):
-    out = launch(["tests/workers/sync_parity.py", f"{tiny_task_dir}/model", str(tp)])
+@pytest.mark.parametrize("arch, tp", [("qwen2", 1), ("qwen2", 2), ("qwen3", 2)],
+                         ids=["qwen2-tp1", "qwen2-tp2", "qwen3-tp2"])
+def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
+    out = launch(["tests/workers/sync_parity.py", tiny_models[arch], str(tp)])
     assert out.count("SYNC_PARITY_OK") == 2, out[-3000:]
     assert out.count("== HF") == 6

@@ -5,7 +5,8 @@ import pytest
 from conftest import launch
 
 
-@pytest.mark.parametrize("reshard", ["1", "0"], ids=["zero3", "zero2"])
-def test_sharded_equals_unsharded(tiny_task_dir, reshard):
-    out = launch(["tests/workers/fsdp_parity.py", f"{tiny_task_dir}/model", reshard])
+@pytest.mark.parametrize("arch, reshard, ckpt", [("qwen2", "1", "0"), ("qwen3", "0", "1")],
+                         ids=["qwen2-zero3", "qwen3-zero2-gradckpt"])
+def test_sharded_equals_unsharded(tiny_models, arch, reshard, ckpt):
+    out = launch(["tests/workers/fsdp_parity.py", tiny_models[arch], reshard, ckpt])
     assert out.count("FSDP_PARITY_OK") == 2

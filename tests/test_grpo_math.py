@@ -119,3 +119,20 @@ def test_micro_batches_respect_budget_and_cover_all():
     assert sorted(i for mb in plan for i in mb) == list(range(7))
     for mb in plan:
         assert len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= 16
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from fsdp_utils import OptimConfig, build_optimizer
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    opt, sched = build_optimizer(cfg, torch.nn.Linear(2, 2), total_steps=14)
+    lrs = []
+    for _ in range(14):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup
+    # cosine from 1.0 (step 4) down to 0.1 at the last step: 0.1 + 0.9 * (1 + cos(pi p)) / 2
+    for step in range(4, 14):
+        p = (step - 4) / 10
+        assert abs(lrs[step] - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))) < 1e-9

@@ -22,7 +22,7 @@ class RecordingEngine:
 
 
 def test_push_order_names_dtype_and_tied_head():
-    model = tiny_task.build_tiny_qwen2(vocab_size=15, eos_id=1, pad_id=0)
+    model = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
     engine = RecordingEngine("bfloat16")
     stats = weight_sync.push(model, engine)
 
