@@ -357,6 +357,7 @@ def train(cfg: Config) -> dict:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        open(os.path.join(out, "samples.jsonl"), "w").close()  # this run's rows only
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     examples = load_examples(cfg.data, tokenizer)
