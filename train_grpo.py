@@ -314,7 +314,7 @@ def init_distributed() -> tuple[int, int]:
 
 def load_examples(cfg: DataConfig, tokenizer) -> list[dict]:
     """Read the jsonl, tokenise each prompt into example["prompt_ids"], drop over-long prompts."""
-    examples = []
+    examples, dropped = [], 0
     with open(cfg.path) as f:
         for line in f:
             if not line.strip():
@@ -328,6 +328,10 @@ def load_examples(cfg: DataConfig, tokenizer) -> list[dict]:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) <= cfg.max_prompt_len:
                 examples.append({**ex, "prompt_ids": list(ids)})
+            else:
+                dropped += 1
+    log.info("data: %d examples from %s, %d dropped as longer than data.max_prompt_len=%d",
+             len(examples), cfg.path, dropped, cfg.max_prompt_len)
     if not examples:
         raise ValueError(f"data.path={cfg.path}: no example with a prompt of at most "
                          f"data.max_prompt_len={cfg.max_prompt_len} tokens")
@@ -349,7 +353,9 @@ def train(cfg: Config) -> dict:
     log.info("device %s, backend %s, world %d, env set: %s", npu_ops.device_type(),
              npu_ops.dist_backend(), world, env)
     if cfg.data.tiny_task_dir:
-        tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir)
+        if rank == 0:  # one writer; the others wait (single node or a shared filesystem)
+            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir)
+        dist.barrier()
         cfg.model.path = cfg.model.path or os.path.join(cfg.data.tiny_task_dir, "model")
         cfg.data.path = cfg.data.path or os.path.join(cfg.data.tiny_task_dir, "train.jsonl")
     out = cfg.log.out_dir
@@ -362,6 +368,7 @@ def train(cfg: Config) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     examples = load_examples(cfg.data, tokenizer)
     reward_fn = rewards.REWARDS[cfg.data.reward]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked anyway
     tp, G = cfg.rollout.tp_size, cfg.grpo.group_size
     engine_idx, tp_rank, n_engines = rank // tp, rank % tp, world // tp
     per_engine = cfg.grpo.prompts_per_step // n_engines
@@ -386,55 +393,39 @@ def train(cfg: Config) -> dict:
     metrics = {}
     try:
         for step in bar:
-            t_step = time.perf_counter()
+            t_step, times = time.perf_counter(), {}
             # 1) rollout: same prompts on the ranks of one engine group, other prompts elsewhere
-            start = ((step - 1) * cfg.grpo.prompts_per_step + engine_idx * per_engine)
+            start = (step - 1) * cfg.grpo.prompts_per_step + engine_idx * per_engine
             batch = [examples[order[(start + i) % len(examples)]] for i in range(per_engine)]
             sync = weight_sync.push(actor, engine)
-            t_gen = time.perf_counter()
+            times["sync"], t = sync["seconds"], time.perf_counter()
             samples = engine.generate([ex["prompt_ids"] for ex in batch], n=G)  # (B*G,)
-            gen_time = time.perf_counter() - t_gen
             engine.sleep()
+            times["gen"], t = time.perf_counter() - t, time.perf_counter()
 
             # 2) reward: every rank of the engine group scores all of its samples (same result)
-            t_reward = time.perf_counter()
             texts = tokenizer.batch_decode([s.response_ids for s in samples],
                                            skip_special_tokens=True)
             group_examples = [ex for ex in batch for _ in range(G)]
             scores, reward_errors = rewards.score(reward_fn, texts, group_examples)
             adv = group_advantages(torch.tensor(scores), G, cfg.grpo.adv_eps)  # (B*G,)
-            reward_time = time.perf_counter() - t_reward
+            times["reward"], t = time.perf_counter() - t, time.perf_counter()
 
             # 3) update: this rank trains on its 1/tp share of the engine group's samples
-            t_train = time.perf_counter()
             mine = list(range(tp_rank, len(samples), tp))
-            gap_sum = policy_update(actor, [samples[i] for i in mine], adv[mine], cfg,
-                                    tokenizer.pad_token_id, device)
-            local_tokens = sum(len(samples[i].response_ids) for i in mine)
+            gap_sum = policy_update(actor, [samples[i] for i in mine], adv[mine], cfg, pad_id, device)
             grad_norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            train_time = time.perf_counter() - t_train
+            times["train"] = time.perf_counter() - t
+            times["step"] = time.perf_counter() - t_step
 
-            # 4) log: sums over this rank's share, reduced over all ranks
-            step_time = time.perf_counter() - t_step
-            sums = torch.tensor([
-                sum(scores[i] for i in mine), len(mine), local_tokens,
-                sum(len(samples[i].prompt_ids) for i in mine) + local_tokens,
-                sum(samples[i].truncated for i in mine), gap_sum,
-                float(reward_errors) if tp_rank == 0 else 0.0], dtype=torch.float64)
-            dist.all_reduce(sums)
-            n = sums[1].item()
-            metrics = {
-                "step": step, "reward_mean": sums[0].item() / n,
-                "response_len_mean": sums[2].item() / n, "truncated_frac": sums[4].item() / n,
-                "reward_errors": int(sums[6].item()), "logp_gap": sums[5].item() / sums[2].item(),
-                "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-                "step_time_s": step_time, "gen_time_s": gen_time, "sync_time_s": sync["seconds"],
-                "sync_gb": sync["bytes"] / 2**30, "reward_time_s": reward_time,
-                "train_time_s": train_time, "tokens_per_s": sums[3].item() / step_time,
-                "mem_peak_gb": npu_ops.memory_gb()["peak"]}
+            # 4) log
+            metrics = reduce_metrics([samples[i] for i in mine], [scores[i] for i in mine],
+                                     reward_errors if tp_rank == 0 else 0, gap_sum, times)
+            metrics.update(step=step, grad_norm=grad_norm, lr=sched.get_last_lr()[0],
+                           sync_gb=sync["bytes"] / 2**30, mem_peak_gb=npu_ops.memory_gb()["peak"])
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 metrics["eval_reward"] = evaluate(engine, actor, examples, reward_fn, tokenizer,
                                                   engine_idx, n_engines)
@@ -446,7 +437,7 @@ def train(cfg: Config) -> dict:
                     wandb.log(metrics, step=step)
                 if cfg.log.samples_every and step % cfg.log.samples_every == 0:
                     with open(os.path.join(out, "samples.jsonl"), "a") as f:
-                        for ex, text, r in list(zip(group_examples, texts, scores))[:: G][:4]:
+                        for ex, text, r in list(zip(group_examples, texts, scores))[::G][:4]:
                             f.write(json.dumps({"step": step, "prompt": ex[cfg.data.prompt_key],
                                                 "completion": text, "reward": r,
                                                 "answer": ex.get(cfg.data.answer_key)}) + "\n")
@@ -460,6 +451,21 @@ def train(cfg: Config) -> dict:
         if dist.is_initialized():  # the engine's shutdown may already have destroyed it
             dist.destroy_process_group()
     return metrics
+
+
+def reduce_metrics(samples: list, scores: list, reward_errors: int, gap_sum: float,
+                   times: dict) -> dict:
+    """Means over the global batch from each rank's share; every rank must call it."""
+    resp = sum(len(s.response_ids) for s in samples)
+    sums = torch.tensor([sum(scores), len(samples), resp, sum(len(s.prompt_ids) for s in samples),
+                         sum(s.truncated for s in samples), gap_sum, reward_errors],
+                        dtype=torch.float64)
+    dist.all_reduce(sums)
+    reward, n, resp, prompt, truncated, gap, errors = sums.tolist()
+    return {"reward_mean": reward / n, "response_len_mean": resp / n,
+            "truncated_frac": truncated / n, "reward_errors": int(errors),
+            "logp_gap": gap / max(resp, 1), **{f"{k}_time_s": v for k, v in times.items()},
+            "tokens_per_s": (prompt + resp) / times["step"]}
 
 
 @torch.no_grad()

@@ -13,11 +13,12 @@ KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s",
         "train_time_s", "tokens_per_s", "reward_time_s", "logp_gap", "reward_errors"}
 
 
-def test_two_rank_run_learns(tiny_task_dir, tmp_path):
-    out_dir = tmp_path / "run"
+def test_two_rank_run_learns(tmp_path):
+    """From nothing: the run itself creates the tiny task (one writer, two ranks)."""
+    out_dir, task_dir = tmp_path / "run", tmp_path / "task"
     steps = 60
     out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
-                  f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
+                  f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}",
                   "--log.eval_every=0"], timeout=900)
     assert f"step {steps}/{steps} | reward" in out  # the per-step line
 
@@ -35,7 +36,7 @@ def test_two_rank_run_learns(tiny_task_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(out_dir / "final")
-    base = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_task_dir, "model"))
+    base = AutoModelForCausalLM.from_pretrained(task_dir / "model")
     assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight,
                            base.model.layers[0].mlp.up_proj.weight)
 
