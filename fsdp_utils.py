@@ -6,6 +6,7 @@ then the root, materialise shards with `to_empty`, and fill them from one full c
 Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
 """
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import npu_ops
 
+log = logging.getLogger("grpo")
 
 @dataclass
 class ModelConfig:
@@ -26,7 +28,8 @@ class ModelConfig:
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True  # True = ZeRO-3; False = ZeRO-2 (faster below ~7B)
     gradient_checkpointing: bool = False  # recompute activations in backward: memory for time
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"  # auto: npu_ops picks the platform's fused attention
+    fused_kernels: str = "auto"  # auto | fused | reference | off: see npu_ops.kernel_path
 
 
 @dataclass
@@ -46,9 +49,13 @@ def build_actor(cfg: ModelConfig, mesh) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
+    attn = npu_ops.attention_implementation(cfg.attn_implementation)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
-                                                 attn_implementation=cfg.attn_implementation)
+                                                 attn_implementation=attn)
+    path = npu_ops.kernel_path(cfg.fused_kernels)
+    patched = npu_ops.patch_qwen(model, path) if path else ["none"]
+    log.info("actor: attention %s; kernels: %s", attn, "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
         full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)

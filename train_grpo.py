@@ -55,6 +55,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # passed to the reward with the rest of the example
     reward: str = "tiny_sum"  # a name in rewards.REWARDS
+    prompt_suffix: str = ""  # appended to every prompt, e.g. an instruction on the answer format
     chat_template: bool = False  # wrap the prompt as a user turn with the tokenizer's template
     max_prompt_len: int = 512  # longer prompts are dropped at load time
     tiny_task_dir: str = ""  # if set: create the built-in tiny model + prompts here if missing
@@ -194,6 +195,7 @@ def validate(cfg: Config, world_size: int) -> None:
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
     need(cfg.data.reward in rewards.REWARDS,
          f"data.reward='{cfg.data.reward}' is not one of {sorted(rewards.REWARDS)}")
+    need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
     need(cfg.optim.schedule in ("constant", "cosine"),
          f"optim.schedule='{cfg.optim.schedule}': use constant or cosine")
     need(cfg.optim.lr > 0 and cfg.train.steps >= 1, "optim.lr and train.steps must be positive")
@@ -201,6 +203,8 @@ def validate(cfg: Config, world_size: int) -> None:
         sec, key = name.split(".")
         need(isinstance(getattr(torch, getattr(getattr(cfg, sec), key), None), torch.dtype),
              f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
+    npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
+    npu_ops.check_platform(graph_mode=not r.enforce_eager, sleep_level=r.sleep_level)
     if not cfg.data.tiny_task_dir:
         need(os.path.isfile(cfg.data.path), f"data.path='{cfg.data.path}' is not a file")
         need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
@@ -320,7 +324,7 @@ def load_examples(cfg: DataConfig, tokenizer) -> list[dict]:
             if not line.strip():
                 continue
             ex = json.loads(line)
-            text = ex[cfg.prompt_key]
+            text = ex[cfg.prompt_key] + cfg.prompt_suffix
             if cfg.chat_template:
                 ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                     add_generation_prompt=True, tokenize=True)
@@ -345,13 +349,15 @@ def train(cfg: Config) -> dict:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    env = npu_ops.setup_env()  # before the engine or any accelerator runtime starts
+    # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
+    env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True)
     rank, world = init_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", force=True)
     validate(cfg, world)
-    log.info("device %s, backend %s, world %d, env set: %s", npu_ops.device_type(),
-             npu_ops.dist_backend(), world, env)
+    log.info("device %s, backend %s, world %d", npu_ops.device_type(), npu_ops.dist_backend(), world)
+    for name, (value, source) in env.items():
+        log.info("env %s=%s (%s)", name, value, source)
     if cfg.data.tiny_task_dir:
         if rank == 0:  # one writer; the others wait (single node or a shared filesystem)
             tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir)

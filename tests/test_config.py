@@ -63,6 +63,9 @@ def test_shipped_config_loads():
     ("--rollout.max_new_tokens=100", 1, "rollout.max_new_tokens=100 must be below"),
     ("--rollout.dtype=float33", 1, "rollout.dtype='float33' is not a torch dtype"),
     ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
+    ("--model.fused_kernels=fast", 1, "model.fused_kernels='fast'"),
+    ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs torch_npu"),
+    ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),
 ])
 def test_derived_constraints(override, world, message):
     cfg = load_config("configs/tiny_cpu.yaml", [override])
@@ -74,3 +77,14 @@ def test_missing_data_and_model_paths():
     cfg = load_config(None, ["--data.path=/nonexistent.jsonl"])
     with pytest.raises(ValueError, match="data.path='/nonexistent.jsonl' is not a file"):
         validate(cfg, 1)
+
+
+@pytest.mark.parametrize("path", ["configs/qwen2.5-7b-gsm8k-npu8.yaml",
+                                  "configs/qwen3-8b-gsm8k-npu8.yaml"])
+def test_npu_configs_are_consistent(path, tmp_path):
+    """The shipped NPU configs load and pass the model-free checks for 8 ranks."""
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    cfg = load_config(path, [f"--data.path={data}", "--model.fused_kernels=reference"])
+    validate(cfg, world_size=8)
+    assert cfg.rollout.sleep_level == 1 and cfg.model.reshard_after_forward
