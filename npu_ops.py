@@ -50,8 +50,8 @@ def device_type() -> str:
 
 
 def dist_backend() -> str:
-    # NPU: gloo for CPU tensors (object collectives), hccl for device tensors.
-    return {"npu": "cpu:gloo,npu:hccl", "cuda": "nccl", "cpu": "gloo"}[device_type()]
+    # gloo for the CPU tensors the loop reduces (token counts, metrics), hccl/nccl for the rest
+    return {"npu": "cpu:gloo,npu:hccl", "cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}[device_type()]
 
 
 def _accel(name: str):
