@@ -312,6 +312,7 @@ def init_distributed() -> tuple[int, int]:
                 port = s.getsockname()[1]
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        npu_ops.local_device()  # pick this rank's device before the process group binds one
         dist.init_process_group(npu_ops.dist_backend())
     return dist.get_rank(), dist.get_world_size()
 
@@ -352,6 +353,7 @@ def train(cfg: Config) -> dict:
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True)
     rank, world = init_distributed()
+    device = npu_ops.local_device()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", force=True)
     validate(cfg, world)
@@ -386,7 +388,6 @@ def train(cfg: Config) -> dict:
     mesh = init_device_mesh(npu_ops.device_type(), (world,))
     actor = fsdp_utils.build_actor(cfg.model, mesh)
     opt, sched = fsdp_utils.build_optimizer(cfg.optim, actor, cfg.train.steps)
-    device = npu_ops.local_device()
     wandb = None
     if cfg.log.wandb_project and rank == 0:
         import wandb
