@@ -6,15 +6,20 @@ then the root, materialise shards with `to_empty`, and fill them from one full c
 Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
 """
 
+import glob
+import json
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import npu_ops
@@ -111,3 +116,43 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str) -> None:
         model.save_pretrained(out_dir, state_dict=sd)
         tokenizer.save_pretrained(out_dir)
     dist.barrier()
+
+
+# Resumable checkpoints: sharded with torch.distributed.checkpoint (every rank writes its own
+# shards, no gather), plus trainer_state.json (step, lr schedule) from rank 0. Layout:
+#   out_dir/checkpoints/step_000120/{*.distcp, .metadata, trainer_state.json}
+
+
+def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: int = 2) -> str:
+    """Every rank must call. Keeps the newest `keep` checkpoints."""
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    state = {"model": get_model_state_dict(model),
+             "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "scheduler": scheduler.state_dict()}, f)
+        for old in sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def latest_checkpoint(out_dir: str):
+    """The newest complete checkpoint under out_dir, or None."""
+    done = [p for p in glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
+            if os.path.exists(os.path.join(p, "trainer_state.json"))]
+    return max(done) if done else None
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> int:
+    """Restore model, optimizer and schedule in place (every rank); returns the saved step."""
+    state = {"model": get_model_state_dict(model),
+             "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)
+    scheduler.load_state_dict(saved["scheduler"])
+    return saved["step"]

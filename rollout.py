@@ -44,6 +44,8 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 512
     seed: int = 0  # per engine group: seed + index of the tensor-parallel group
+    seed_per_step: bool = False  # seed every request from (seed, step): reproducible runs and
+    #   bit-exact resume, but vLLM then samples with per-request generators (3x slower on CPU)
 
 
 @dataclass
@@ -78,14 +80,19 @@ class Engine:
             logprobs_mode="processed_logprobs", **memory, **extra)
         self.asleep = False
 
-    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False) -> list[Sample]:
-        """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major."""
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
+                 seed: int | None = None) -> list[Sample]:
+        """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major.
+
+        With `seed`, sample j of prompt i uses seed + i * n + j, so a step's samples depend on the
+        step's seed and weights only, not on what the engine sampled before (exact resume)."""
         from vllm import SamplingParams
 
         assert not self.asleep, "wake the engine before generate"
-        params = SamplingParams(
+        params = [SamplingParams(
             n=n, temperature=0.0 if greedy else self.cfg.temperature,
-            top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens, logprobs=0)
+            top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens, logprobs=0,
+            seed=None if seed is None else seed + i * n) for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=False)
         samples = []

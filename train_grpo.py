@@ -25,6 +25,7 @@ import difflib
 import json
 import logging
 import os
+import random
 import sys
 import time
 import typing
@@ -73,7 +74,8 @@ class GRPOConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    seed: int = 0
+    seed: int = 0  # data order: step N draws the same prompts, resumed or not
+    resume: bool = False  # continue from the newest checkpoint in log.out_dir, if there is one
 
 
 @dataclass
@@ -81,7 +83,8 @@ class LogConfig:
     out_dir: str = "runs/default"  # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
     samples_every: int = 10  # write a few (prompt, completion, reward) rows every N steps
     eval_every: int = 0  # greedy accuracy on data.path's prompts every N steps (0: off)
-    save_every: int = 0  # HF checkpoint every N steps (0: only at the end)
+    save_every: int = 0  # resumable checkpoint every N steps (0: none); HF export at the end
+    keep_checkpoints: int = 2  # newest resumable checkpoints kept on disk
     wandb_project: str = ""  # empty: no wandb
 
 
@@ -371,7 +374,6 @@ def train(cfg: Config) -> dict:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
-        open(os.path.join(out, "samples.jsonl"), "w").close()  # this run's rows only
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     examples = load_examples(cfg.data, tokenizer)
@@ -388,6 +390,14 @@ def train(cfg: Config) -> dict:
     mesh = init_device_mesh(npu_ops.device_type(), (world,))
     actor = fsdp_utils.build_actor(cfg.model, mesh)
     opt, sched = fsdp_utils.build_optimizer(cfg.optim, actor, cfg.train.steps)
+    done = 0  # steps already taken
+    ckpt = fsdp_utils.latest_checkpoint(out) if cfg.train.resume else None
+    if ckpt:
+        done = fsdp_utils.load_checkpoint(ckpt, actor, opt, sched)
+        log.info("resumed from %s: continuing after step %d", ckpt, done)
+    if rank == 0:  # drop rows of steps after the checkpoint (a crashed run's tail), or all
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            keep_rows_upto(os.path.join(out, name), done)
     wandb = None
     if cfg.log.wandb_project and rank == 0:
         import wandb
@@ -395,8 +405,9 @@ def train(cfg: Config) -> dict:
         wandb.init(project=cfg.log.wandb_project, config=dataclasses.asdict(cfg))
 
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.train.seed))
-    metrics_file = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
-    bar = tqdm(range(1, cfg.train.steps + 1), disable=rank != 0, desc="steps", file=sys.stdout)
+    metrics_file = open(os.path.join(out, "metrics.jsonl"), "a") if rank == 0 else None
+    bar = tqdm(range(done + 1, cfg.train.steps + 1), initial=done, total=cfg.train.steps,
+               disable=rank != 0, desc="steps", file=sys.stdout)
     metrics = {}
     try:
         for step in bar:
@@ -406,7 +417,9 @@ def train(cfg: Config) -> dict:
             batch = [examples[order[(start + i) % len(examples)]] for i in range(per_engine)]
             sync = weight_sync.push(actor, engine)
             times["sync"], t = sync["seconds"], time.perf_counter()
-            samples = engine.generate([ex["prompt_ids"] for ex in batch], n=G)  # (B*G,)
+            seed = (random.Random(f"{cfg.rollout.seed}/{step}/{engine_idx}").getrandbits(48)
+                    if cfg.rollout.seed_per_step else None)
+            samples = engine.generate([ex["prompt_ids"] for ex in batch], n=G, seed=seed)  # (B*G,)
             engine.sleep()
             times["gen"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -449,7 +462,7 @@ def train(cfg: Config) -> dict:
                                                 "completion": text, "reward": r,
                                                 "answer": ex.get(cfg.data.answer_key)}) + "\n")
             if cfg.log.save_every and step % cfg.log.save_every == 0:
-                fsdp_utils.save_hf(actor, tokenizer, os.path.join(out, f"step_{step}"))
+                fsdp_utils.save_checkpoint(out, step, actor, opt, sched, cfg.log.keep_checkpoints)
         fsdp_utils.save_hf(actor, tokenizer, os.path.join(out, "final"))
     finally:
         if metrics_file:
@@ -473,6 +486,16 @@ def reduce_metrics(samples: list, scores: list, reward_errors: int, gap_sum: flo
             "truncated_frac": truncated / n, "reward_errors": int(errors),
             "logp_gap": gap / max(resp, 1), **{f"{k}_time_s": v for k, v in times.items()},
             "tokens_per_s": (prompt + resp) / times["step"]}
+
+
+def keep_rows_upto(path: str, step: int) -> None:
+    """Rewrite a jsonl log keeping the rows of steps <= `step` (all rows gone for step 0)."""
+    rows = []
+    if step and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(rows)
 
 
 @torch.no_grad()
