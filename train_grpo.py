@@ -420,8 +420,9 @@ def train(cfg: Config) -> dict:
             seed = (random.Random(f"{cfg.rollout.seed}/{step}/{engine_idx}").getrandbits(48)
                     if cfg.rollout.seed_per_step else None)
             samples = engine.generate([ex["prompt_ids"] for ex in batch], n=G, seed=seed)  # (B*G,)
-            engine.sleep()
             times["gen"], t = time.perf_counter() - t, time.perf_counter()
+            engine.sleep()  # frees weights + KV cache where the platform can (level 1 offloads)
+            times["sleep"], t = time.perf_counter() - t, time.perf_counter()
 
             # 2) reward: every rank of the engine group scores all of its samples (same result)
             texts = tokenizer.batch_decode([s.response_ids for s in samples],
