@@ -53,6 +53,7 @@ log = logging.getLogger("grpo")
 @dataclass
 class DataConfig:
     path: str = ""  # jsonl of examples, one JSON object a line
+    eval_path: str = ""  # held-out jsonl for log.eval_every (empty: the training prompts)
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # passed to the reward with the rest of the example
     reward: str = "tiny_sum"  # a name in rewards.REWARDS
@@ -82,7 +83,7 @@ class TrainConfig:
 class LogConfig:
     out_dir: str = "runs/default"  # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
     samples_every: int = 10  # write a few (prompt, completion, reward) rows every N steps
-    eval_every: int = 0  # greedy accuracy on data.path's prompts every N steps (0: off)
+    eval_every: int = 0  # greedy accuracy on data.eval_path every N steps (0: off)
     save_every: int = 0  # resumable checkpoint every N steps (0: none); HF export at the end
     keep_checkpoints: int = 2  # newest resumable checkpoints kept on disk
     wandb_project: str = ""  # empty: no wandb
@@ -210,6 +211,8 @@ def validate(cfg: Config, world_size: int) -> None:
     npu_ops.check_platform(graph_mode=not r.enforce_eager, sleep_level=r.sleep_level)
     if not cfg.data.tiny_task_dir:
         need(os.path.isfile(cfg.data.path), f"data.path='{cfg.data.path}' is not a file")
+        need(not cfg.data.eval_path or os.path.isfile(cfg.data.eval_path),
+             f"data.eval_path='{cfg.data.eval_path}' is not a file")
         need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
              f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")
 
@@ -369,6 +372,7 @@ def train(cfg: Config) -> dict:
         dist.barrier()
         cfg.model.path = cfg.model.path or os.path.join(cfg.data.tiny_task_dir, "model")
         cfg.data.path = cfg.data.path or os.path.join(cfg.data.tiny_task_dir, "train.jsonl")
+        cfg.data.eval_path = cfg.data.eval_path or os.path.join(cfg.data.tiny_task_dir, "test.jsonl")
     out = cfg.log.out_dir
     if rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -377,6 +381,8 @@ def train(cfg: Config) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     examples = load_examples(cfg.data, tokenizer)
+    eval_examples = (load_examples(dataclasses.replace(cfg.data, path=cfg.data.eval_path), tokenizer)
+                     if cfg.log.eval_every and cfg.data.eval_path else examples)
     reward_fn = rewards.REWARDS[cfg.data.reward]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked anyway
     tp, G = cfg.rollout.tp_size, cfg.grpo.group_size
@@ -448,7 +454,7 @@ def train(cfg: Config) -> dict:
             metrics.update(step=step, grad_norm=grad_norm, lr=sched.get_last_lr()[0],
                            sync_gb=sync["bytes"] / 2**30, mem_peak_gb=npu_ops.memory_gb()["peak"])
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
-                metrics["eval_reward"] = evaluate(engine, actor, examples, reward_fn, tokenizer,
+                metrics["eval_reward"] = evaluate(engine, actor, eval_examples, reward_fn, tokenizer,
                                                   engine_idx, n_engines)
             if rank == 0:
                 metrics_file.write(json.dumps(metrics) + "\n")

@@ -88,3 +88,18 @@ def test_npu_configs_are_consistent(path, tmp_path):
     cfg = load_config(path, [f"--data.path={data}", "--model.fused_kernels=reference"])
     validate(cfg, world_size=8)
     assert cfg.rollout.sleep_level == 1 and cfg.model.reshard_after_forward
+
+
+def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
+    """validate() consults npu_ops on an Ascend install: a bad env stops the run at once."""
+    import npu_ops
+
+    monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "cpu")
+    monkeypatch.setattr(npu_ops, "installed_versions",
+                        lambda: {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"})
+    monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
+    cfg = load_config("configs/tiny_cpu.yaml", ["--rollout.enforce_eager=false"])
+    with pytest.raises(ValueError, match="TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false"):
+        validate(cfg, 2)
+    validate(load_config("configs/tiny_cpu.yaml"), 2)  # eager mode: level 2 is fine
