@@ -78,7 +78,8 @@ class Engine:
             enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
             # logprobs after temperature: what the trainer computes from logits / temperature
             logprobs_mode="processed_logprobs", **memory, **extra)
-        self.asleep = False
+        self.asleep = False  # KV cache freed: no generate until wake(["kv_cache"])
+        self.weights_awake = True
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
                  seed: int | None = None) -> list[Sample]:
@@ -116,14 +117,17 @@ class Engine:
     def sleep(self) -> None:
         if self.can_sleep:
             self.llm.sleep(level=self.cfg.sleep_level)
-        self.asleep = True
+        self.asleep, self.weights_awake = True, False
 
     def wake(self, tags: list[str]) -> None:
         """tags: ["weights"] before loading weights, then ["kv_cache"] before generating."""
+        if "kv_cache" in tags and not (self.weights_awake or "weights" in tags):
+            raise RuntimeError("wake the weights (and load them) before the KV cache: the KV "
+                               "cache would take the memory the weights need")
         if self.can_sleep:
             self.llm.wake_up(tags=tags)
-        if "kv_cache" in tags:
-            self.asleep = False
+        self.weights_awake = self.weights_awake or "weights" in tags
+        self.asleep = self.asleep and "kv_cache" not in tags
 
     def shutdown(self) -> None:
         """Free the engine and vLLM's process groups. vLLM also destroys the default process
@@ -136,6 +140,9 @@ class Engine:
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
         prefix cache: cached prompt KV from the old weights would otherwise be reused."""
+        if not self.weights_awake:
+            raise RuntimeError("engine weights are asleep: wake(['weights']) before load_weights, "
+                               "or the load writes into unmapped memory")
         _reload_weights_in_place(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
 

@@ -41,3 +41,57 @@ def test_push_order_names_dtype_and_tied_head():
 def test_wrapper_prefixes_are_stripped():
     assert weight_sync.hf_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj"
                                ".weight") == "model.layers.0.mlp.up_proj.weight"
+
+
+class FakeLLM:
+    """Records what rollout.Engine asks of vLLM's LLM; the worker side is a recording stub."""
+
+    def __init__(self):
+        from vllm.config import VllmConfig
+
+        self.calls, self.loaded = [], []
+        runner = type("Runner", (), {"reload_weights": lambda _, weights_iterator,
+                                     is_checkpoint_format: self.loaded.extend(
+                                         n for n, _ in weights_iterator)})()
+        self.worker = type("Worker", (), {"vllm_config": VllmConfig(), "model_runner": runner})()
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(("collective_rpc",))
+        return [method(self.worker, **kwargs)]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def engine_with(fake):
+    import rollout
+
+    engine = object.__new__(rollout.Engine)  # skip building a real LLM
+    engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(sleep_level=1), True, fake
+    engine.asleep, engine.weights_awake = False, True
+    return engine
+
+
+def test_engine_guards_the_wake_order():
+    import pytest
+
+    fake = FakeLLM()
+    engine = engine_with(fake)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="engine weights are asleep"):
+        engine.load_weights(iter([("w", torch.zeros(1))]))
+    with pytest.raises(RuntimeError, match="wake the weights"):
+        engine.wake(["kv_cache"])
+    engine.wake(["weights"])
+    engine.load_weights(iter([("a", torch.zeros(1)), ("b", torch.ones(1))]))
+    engine.wake(["kv_cache"])
+    assert not engine.asleep and fake.loaded == ["a", "b"]
+    # the prefix cache is dropped right after the load, before anything can generate
+    assert fake.calls == [("sleep", 1), ("wake_up", ("weights",)), ("collective_rpc",),
+                          ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
