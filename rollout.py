@@ -78,6 +78,9 @@ class Engine:
             enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
             # logprobs after temperature: what the trainer computes from logits / temperature
             logprobs_mode="processed_logprobs", **memory, **extra)
+        # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
+        # the trainer's one line per step stays readable (raise it again here to debug)
+        logging.getLogger("vllm").setLevel(logging.WARNING)
         self.asleep = False  # KV cache freed: no generate until wake(["kv_cache"])
         self.weights_awake = True
 
