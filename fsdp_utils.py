@@ -26,6 +26,7 @@ import npu_ops
 
 log = logging.getLogger("grpo")
 
+
 @dataclass
 class ModelConfig:
     path: str = ""  # local directory or hub id of a HF causal LM (Qwen2/Qwen3 tested)
