@@ -50,22 +50,26 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
 
 
-def build_actor(cfg: ModelConfig, mesh) -> torch.nn.Module:
-    """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32)."""
+def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
+    """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
+    reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
+    (nothing to update, so no fp32 master copy), no gradients, and parked off the accelerator
+    (`offload`) until its forward pass."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
+    dtype = getattr(torch, cfg.param_dtype) if reference else torch.float32
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
-                                                 attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
     path = npu_ops.kernel_path(cfg.fused_kernels)
     patched = npu_ops.patch_qwen(model, path) if path else ["none"]
-    log.info("actor: attention %s; kernels: %s", attn, "; ".join(patched))
+    log.info("%s: attention %s; kernels: %s", "reference" if reference else "actor", attn,
+             "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
-    if cfg.gradient_checkpointing:
+        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+    if cfg.gradient_checkpointing and not reference:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype),
                               reduce_dtype=getattr(torch, cfg.reduce_dtype))
@@ -83,7 +87,25 @@ def build_actor(cfg: ModelConfig, mesh) -> torch.nn.Module:
             buf.copy_(ref[name])
         dist.broadcast(buf, src=0)
     del full
+    if reference:
+        model.requires_grad_(False)
+        model.eval()
+        offload(model)
     return model
+
+
+# FSDP2 supports `module.to(device)` on a sharded model: FSDPModule._apply moves each rank's shards
+# and re-registers them, so parking a model costs one host<->device copy of its shard.
+
+
+def offload(model: torch.nn.Module) -> None:
+    """Move this rank's shards (and buffers) to host memory and release the device cache."""
+    model.to("cpu")
+    npu_ops.empty_cache()
+
+
+def onload(model: torch.nn.Module) -> None:
+    model.to(npu_ops.local_device())
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
@@ -124,15 +146,17 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str) -> None:
 #   out_dir/checkpoints/step_000120/{*.distcp, .metadata, trainer_state.json}
 
 
-def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: int = 2) -> str:
-    """Every rank must call. Keeps the newest `keep` checkpoints."""
+def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: int = 2,
+                    extra: dict | None = None) -> str:
+    """Every rank must call. Keeps the newest `keep` checkpoints. `extra`: JSON-able loop state
+    (e.g. the data position) stored in trainer_state.json."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=path)
     if dist.get_rank() == 0:
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "scheduler": scheduler.state_dict()}, f)
+            json.dump({**(extra or {}), "step": step, "scheduler": scheduler.state_dict()}, f)
         for old in sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_*")))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -146,8 +170,9 @@ def latest_checkpoint(out_dir: str):
     return max(done) if done else None
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> int:
-    """Restore model, optimizer and schedule in place (every rank); returns the saved step."""
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer and schedule in place (every rank); returns trainer_state.json
+    ("step" and what save_checkpoint got as `extra`)."""
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path)
@@ -156,4 +181,4 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> int:
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)
     scheduler.load_state_dict(saved["scheduler"])
-    return saved["step"]
+    return saved

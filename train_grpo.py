@@ -8,15 +8,21 @@ Run it
     #            train(load_config("configs/tiny_cpu.yaml", ["--log.out_dir=/tmp/run"]))
 
 One step: sync the actor's weights into the engine, sample `group_size` responses per prompt,
-score them, normalise rewards within each group into advantages, and take one optimizer step on
-the clipped surrogate. What this GRPO is, precisely:
-- advantage = (r - mean_group) / (std_group + eps), std unbiased (as in DeepSeekMath's GRPO);
-  groups whose rewards are all exactly equal get advantage 0 (they carry no signal);
-- loss = clipped surrogate (PPO), averaged over every response token of the global batch (the
-  token-level mean of DAPO), with no KL term and no entropy bonus;
-- one optimizer step per rollout, so old_logp is the current policy's own (detached) logp and the
-  ratio is 1: the gradient is REINFORCE with group-normalised advantages. The engine's sampling
-  logprobs are not used in the loss; their gap to the trainer's is logged as `logp_gap`.
+score them, normalise rewards within each group into advantages, and update on the clipped
+surrogate. With the defaults this GRPO is, precisely:
+- advantage = (r - mean_group) / (std_group + eps), std unbiased (DeepSeekMath's GRPO); groups
+  whose rewards are all exactly equal get advantage 0 (they carry no signal);
+- loss = PPO's clipped surrogate averaged over every response token of the global batch (DAPO's
+  token-level mean), times a truncated importance weight min(p_trainer / p_engine, 2) per token
+  (TIS) for the gap between the engine's sampling and the trainer's logprobs; no KL term, no
+  entropy bonus;
+- one optimizer step per rollout, so old_logp is the current policy's own (detached) logp, the
+  ratio is 1, and the gradient is REINFORCE with group-normalised advantages (TIS-weighted).
+Variants, each a few lines selected by the `grpo:` config section (README has the table):
+sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scaling, asymmetric
+clipping (DAPO), several epochs and mini-batches per rollout (PPO), a KL term to a frozen
+reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (DAPO), and
+masking or a soft penalty for responses cut at the length limit (DAPO).
 """
 
 import argparse
@@ -24,6 +30,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -67,8 +74,22 @@ class DataConfig:
 class GRPOConfig:
     group_size: int = 8  # G: responses sampled per prompt
     prompts_per_step: int = 32  # over all ranks; each engine group takes an equal slice
-    clip_eps: float = 0.2  # PPO ratio clip
     adv_eps: float = 1e-6  # added to the group std
+    scale_adv_by_std: bool = True  # false: adv = r - mean (Dr. GRPO)
+    loss_agg: str = "token_mean"  # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # DAPO's "clip-higher" raises this (0.28)
+    ppo_epochs: int = 1  # passes over each rollout
+    mini_batches: int = 1  # optimizer steps per pass; >1 epochs or mini-batches: off-policy
+    kl_coef: float = 0.0  # KL-to-reference loss weight; > 0 builds a frozen reference copy
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators; k3 as in DeepSeekMath)
+    is_correction: str = "tis"  # engine/trainer mismatch: none | tis | seq_mask
+    is_cap: float = 2.0  # C: TIS weight cap; seq_mask keeps sequence ratios in [1/C, C]
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    max_gen_rounds: int = 1  # with dynamic sampling: rounds of fresh prompts to refill the batch
+    overlong: str = "none"  # truncated responses: none | mask (out of the loss) | penalty
+    overlong_buffer: int = 0  # penalty: last N tokens before max_new_tokens ramp it to -factor
+    overlong_penalty_factor: float = 1.0
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward on one rank
 
 
@@ -199,6 +220,23 @@ def validate(cfg: Config, world_size: int) -> None:
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
     need(cfg.data.reward in rewards.REWARDS,
          f"data.reward='{cfg.data.reward}' is not one of {sorted(rewards.REWARDS)}")
+    per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
+    for key, options in (("loss_agg", LOSS_AGGS), ("kl_estimator", ("k1", "k2", "k3")),
+                         ("is_correction", ("none", "tis", "seq_mask")),
+                         ("overlong", ("none", "mask", "penalty"))):
+        need(getattr(g, key) in options, f"grpo.{key}='{getattr(g, key)}': use one of {options}")
+    need(0 <= g.clip_low < 1 and g.clip_high >= 0,
+         f"grpo.clip_low={g.clip_low} must be in [0, 1) and grpo.clip_high={g.clip_high} >= 0")
+    need(g.ppo_epochs >= 1 and 1 <= g.mini_batches <= per_rank,
+         f"grpo.ppo_epochs={g.ppo_epochs} must be >= 1 and grpo.mini_batches={g.mini_batches} "
+         f"between 1 and the samples per rank ({per_rank})")
+    need(g.kl_coef >= 0, f"grpo.kl_coef={g.kl_coef} must be >= 0 (0 turns the KL term off)")
+    need(g.is_cap > 1, f"grpo.is_cap={g.is_cap} must be > 1")
+    need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
+         f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs grpo.dynamic_sampling=true")
+    need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
+         f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
+         f"({r.max_new_tokens}); got {g.overlong_buffer}")
     need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
     need(cfg.optim.schedule in ("constant", "cosine"),
          f"optim.schedule='{cfg.optim.schedule}': use constant or cosine")
@@ -218,15 +256,34 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# the GRPO math: small pure functions on tensors
+# the GRPO math: small pure functions on tensors. Each variant names the paper it comes from.
+
+LOSS_AGGS = ("token_mean", "seq_mean", "constant")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """(B*G,) rewards, prompt-major -> (B*G,) advantages, normalised within each group of G."""
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B*G,) rewards -> (B,) bool: groups whose rewards are all exactly equal. An exact test:
+    0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage."""
+    r = rewards.view(-1, group_size)
+    return (r == r[:, :1]).all(1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
+                     scale_by_std: bool = True) -> torch.Tensor:
+    """(B*G,) rewards, prompt-major -> (B*G,) advantages: r - mean of its group, divided by the
+    group's unbiased std + eps (DeepSeekMath's GRPO), or not divided (Dr. GRPO: the std
+    re-weights prompts by difficulty). Constant groups get exactly 0."""
     r = rewards.view(-1, group_size)  # (B, G)
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
-    constant = (r == r[:, :1]).all(1, keepdim=True)  # exact test: float noise is not signal
-    return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
+    adv = r - r.mean(1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.masked_fill(constant_groups(rewards, group_size).unsqueeze(1), 0.0).view(-1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float):
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_len - buffer tokens, then
+    falling linearly to -factor at max_len."""
+    return -factor * ((lengths - (max_len - buffer)) / buffer).clamp(0.0, 1.0)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -235,32 +292,111 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, n_tokens: float) -> torch.Tensor:
-    """Clipped surrogate summed over masked tokens and divided by `n_tokens`, the number of
-    response tokens in the whole (global) batch: a token-level mean. logp, old_logp, mask:
-    (N, T); adv: (N,)."""
+def kl_penalty(logp, ref_logp, estimator: str):
+    """Per-token estimate of KL(policy || reference) from tokens sampled by the policy, after
+    Schulman's "Approximating KL Divergence": k1 = log(p/q) is unbiased but noisy and can be
+    negative; k2 = log(p/q)^2 / 2; k3 = q/p - 1 - log(q/p) is unbiased and >= 0 (DeepSeekMath)."""
+    log_r = ref_logp - logp  # log(q/p)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    return torch.expm1(log_r) - log_r  # k3
+
+
+def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float):
+    """(N, T) importance weights that correct for the engine sampling from a slightly different
+    distribution than the trainer computes (kernels, precision). ratio = p_trainer / p_engine.
+    - none: 1;
+    - tis: min(ratio, C) per token: truncated importance sampling (Yao et al. 2025, "Your
+      Efficient RL Framework Secretly Brings You Off-Policy RL Training");
+    - seq_mask: 1 for a sequence whose ratio (product over its tokens) lies in [1/C, C], else 0:
+      masked importance sampling (Liu et al. 2025, "When Speed Kills Stability").
+    Detached: the weights scale the gradient, they do not get one."""
+    log_ratio = ((old_logp - engine_logp) * mask).detach()
+    if mode == "none":
+        return torch.ones_like(log_ratio)
+    if mode == "tis":
+        return log_ratio.exp().clamp(max=cap)
+    inside = log_ratio.sum(1).abs() <= math.log(cap)  # seq_mask
+    return inside.to(log_ratio.dtype).unsqueeze(1).expand_as(log_ratio)
+
+
+def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs: float,
+              max_len: int, is_weight=None, ref_logp=None):
+    """The loss of one micro-batch, normalised over the whole global mini-batch (n_tokens response
+    tokens in n_seqs sequences), so micro-batches and ranks add up to the batch's loss.
+    logp, old_logp, mask, is_weight, ref_logp: (N, T); adv: (N,).
+    Returns the loss and (N, T) bool of the tokens where the clip was active."""
     ratio = torch.exp(logp - old_logp)
     adv = adv.unsqueeze(1)  # (N, 1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    return -(surrogate * mask).sum() / n_tokens
+    clipped_ratio = ratio.clamp(1 - g.clip_low, 1 + g.clip_high)  # DAPO "clip-higher" if high > low
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # PPO's clipped surrogate
+    clipped = (ratio * adv) > (clipped_ratio * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    if ref_logp is not None and g.kl_coef > 0:  # KL in the loss, not the reward (DeepSeekMath)
+        per_token = per_token + g.kl_coef * kl_penalty(logp, ref_logp, g.kl_estimator)
+    per_token = per_token * mask
+    if g.loss_agg == "token_mean":  # every token of the batch weighs the same (DAPO)
+        loss = per_token.sum() / n_tokens
+    elif g.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
+        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    else:  # constant: sum over tokens / (sequences x max_new_tokens): no length bias (Dr. GRPO)
+        loss = per_token.sum() / (n_seqs * max_len)
+    return loss, clipped & mask.bool()
 
 
-def pad_batch(samples: list, pad_id: int):
+@torch.no_grad()
+def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 256) -> float:
+    """Sum of the policy's entropy over masked positions of (N, T, V) logits, chunk rows at a
+    time: a (chunk x V) fp32 tensor at most, never (tokens x V)."""
+    rows = logits[mask.bool()]  # (n_tokens, V), in the logits' dtype
+    total = 0.0
+    for part in rows.split(chunk):
+        logp = part.float().log_softmax(-1)
+        total -= (logp.exp() * logp).sum().item()
+    return total
+
+
+def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> tuple[dict, dict, dict]:
+    """Engine vs trainer logprobs of the sampled tokens, per-sample (n_i,) tensors. Returns
+    (sums, maxima, minima) for reduce_metrics: |gap|, the importance ratio p_trainer / p_engine per
+    token, the share of tokens above C and of sequences whose ratio leaves [1/C, C]."""
+    log_ratio = [o.double() - torch.as_tensor(e, dtype=torch.float64)
+                 for o, e in zip(old_logp, engine_logp)]
+    flat = torch.cat(log_ratio) if log_ratio else torch.zeros(0, dtype=torch.float64)
+    seq = torch.stack([x.sum() for x in log_ratio]) if log_ratio else flat
+    ratio = flat.exp()
+    sums = {"mm_tokens": flat.numel(), "logp_gap": flat.abs().sum().item(),
+            "is_ratio_mean": ratio.sum().item(), "is_above_cap_frac": (ratio > cap).sum().item(),
+            "mm_seqs": seq.numel(),
+            "seq_outside_cap_frac": (seq.abs() > math.log(cap)).sum().item()}
+    empty = not flat.numel()
+    return (sums, {"is_ratio_max": 0.0 if empty else ratio.max().item()},
+            {"is_ratio_min": math.inf if empty else ratio.min().item()})
+
+
+def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
     """Right-pad prompt+response sequences. Returns input_ids (N, T), attention (N, T), targets
-    (N, T-1), loss mask (N, T-1) over response tokens, engine logp (N, T-1)."""
+    (N, T-1), loss mask (N, T-1) over response tokens, and a dict of (N, T-1) tensors placed at
+    the response positions: "engine" (the engine's logp) and every entry of `per_token`, a list
+    with one sequence of per-response-token values for each sample."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     T = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     attn = torch.zeros(len(seqs), T, dtype=torch.long)
     mask = torch.zeros(len(seqs), T - 1)
-    engine_logp = torch.zeros(len(seqs), T - 1)
+    values = {"engine": [s.logp for s in samples], **(per_token or {})}
+    padded = {k: torch.zeros(len(seqs), T - 1) for k in values}
     for i, (s, x) in enumerate(zip(samples, seqs)):
         ids[i, :len(x)] = torch.tensor(x)
         attn[i, :len(x)] = 1
         p, n = len(s.prompt_ids), len(s.response_ids)
         mask[i, p - 1:p - 1 + n] = 1  # position t predicts token t+1
-        engine_logp[i, p - 1:p - 1 + n] = torch.tensor(s.logp)
-    return ids, attn, ids[:, 1:], mask, engine_logp
+        for k, v in values.items():
+            padded[k][i, p - 1:p - 1 + n] = torch.as_tensor(v[i], dtype=torch.float32)
+    return ids, attn, ids[:, 1:], mask, padded
 
 
 def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -275,32 +411,123 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches + [cur] if cur else batches
 
 
-def policy_update(actor, samples: list, adv: torch.Tensor, cfg: Config, pad_id: int, device) -> float:
-    """Forward/backward over this rank's samples in micro-batches; gradients accumulate in the
-    actor (the caller steps the optimizer). Every rank must call it (FSDP collectives).
-    Returns the summed |trainer logp - engine logp| over response tokens."""
-    n_tokens = torch.tensor(float(sum(len(s.response_ids) for s in samples)))
-    dist.all_reduce(n_tokens)  # response tokens in the global batch: the loss's denominator
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
-                              cfg.grpo.micro_batch_tokens)
-    n_micro = torch.tensor(len(plan))
-    dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)  # FSDP needs equal forward counts per rank
-    plan += [[]] * (int(n_micro) - len(plan))
+# ----------------------------------------------------------------------------------------------
+# the update: forward/backward over the rollout. Every function here runs FSDP collectives, so
+# every rank calls it, with its own share of the samples (possibly none).
+
+DUMMY = rollout.Sample(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False)
+
+
+def micro_batch_plan(samples: list, budget: int) -> list[list[int]]:
+    """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
+    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward."""
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget)
+    n = torch.tensor(len(plan))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return plan + [[]] * (int(n) - len(plan))
+
+
+def forward_logp(model, samples: list, pad_id: int, device, temperature: float, per_token=None):
+    """Returns logp (n, T-1) of the targets, logits (n, T-1, V), mask and padded per-token dict."""
+    ids, attn, targets, mask, padded = pad_batch(samples, pad_id, per_token)
+    ids, attn, targets, mask = ids.to(device), attn.to(device), targets.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    logp = token_logprobs(logits, targets, temperature)
+    return logp, logits, mask, {k: v.to(device) for k, v in padded.items()}
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: list, cfg: Config, pad_id: int, device) -> list:
+    """Each sample's response-token logprobs under `model` (old or reference policy): a list of
+    (n_i,) fp32 CPU tensors."""
+    out = [None] * len(samples)
+    model.eval()
+    for idx in micro_batch_plan(samples, cfg.grpo.micro_batch_tokens):
+        logp, _, mask, _ = forward_logp(model, [samples[i] for i in idx] or [DUMMY], pad_id,
+                                        device, cfg.rollout.temperature)
+        for row, i in enumerate(idx):
+            out[i] = logp[row][mask[row].bool()].float().cpu()
+    return out
+
+
+def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
+                         cfg: Config, pad_id: int, device) -> tuple[list, dict]:
+    """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
+    actor. old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
+    Returns this forward's logp per sample ((n_i,) CPU tensors) and sums for the metrics."""
+    g = cfg.grpo
+    counts = torch.tensor([float(sum(len(s.response_ids) for s in samples)), float(len(samples))])
+    dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
+    n_tokens, n_seqs = counts.tolist()
+    logps, stats = [torch.zeros(0)] * len(samples), {"clipped": 0.0, "entropy": 0.0}
+    if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
+        return logps, stats
     actor.train()
-    gap_sum = 0.0
-    for idx in plan:
-        dummy = not idx  # a rank with fewer micro-batches joins the collectives with zero loss
-        mb = [samples[i] for i in idx or [0]]
-        ids, attn, targets, mask, engine_logp = (t.to(device) for t in pad_batch(mb, pad_id))
-        logits = actor(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (n, T-1, V)
-        logp = token_logprobs(logits, targets, cfg.rollout.temperature)  # (n, T-1)
-        loss = grpo_loss(logp, logp.detach(), adv[idx or [0]].to(device), mask,
-                         cfg.grpo.clip_eps, n_tokens.item())
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens):
+        extra = {name: [lp[i] for i in idx] or [[0.0]]
+                 for name, lp in (("old", old_logp), ("ref", ref_logp)) if lp is not None}
+        logp, logits, mask, pt = forward_logp(actor, [samples[i] for i in idx] or [DUMMY], pad_id,
+                                              device, cfg.rollout.temperature, extra)
+        old = pt["old"] if old_logp is not None else logp.detach()
+        is_weight = mismatch_weights(old, pt["engine"], mask, g.is_correction, g.is_cap)
+        a = adv[idx] if idx else torch.zeros(1)
+        loss, clipped = grpo_loss(logp, old, a.to(device), mask, g, n_tokens, n_seqs,
+                                  cfg.rollout.max_new_tokens, is_weight, pt.get("ref"))
         # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-        (loss * (0.0 if dummy else dist.get_world_size())).backward()
-        if not dummy:
-            gap_sum += ((logp.detach() - engine_logp).abs() * mask).sum().item()
-    return gap_sum
+        (loss * (dist.get_world_size() if idx else 0.0)).backward()
+        if idx:
+            stats["clipped"] += clipped.sum().item()
+            stats["entropy"] += masked_entropy_sum(logits.detach(), mask)
+            for row, i in enumerate(idx):
+                logps[i] = logp[row][mask[row].bool()].detach().float().cpu()
+    return logps, stats
+
+
+def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
+    """A fresh random split of n samples into k mini-batches of near-equal size."""
+    order = torch.randperm(n, generator=generator).tolist()
+    return [order[j::k] for j in range(k)]
+
+
+def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: Config, pad_id: int,
+                     device, seed: int) -> tuple[dict, dict, dict, float]:
+    """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
+    optimizer steps. Returns (sums, maxima, minima) for reduce_metrics and the mean grad norm."""
+    g = cfg.grpo
+    on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
+    # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
+    # update's own forward; otherwise it is recomputed once, before the first optimizer step
+    old_logp = None if on_policy else sample_logprobs(actor, samples, cfg, pad_id, device)
+    ref_logp = None
+    if ref is not None:  # the frozen reference lives off the accelerator between its passes
+        fsdp_utils.onload(ref)
+        ref_logp = sample_logprobs(ref, samples, cfg, pad_id, device)
+        fsdp_utils.offload(ref)
+    sums, norms = {"clipped": 0.0, "entropy": 0.0, "loss_tokens": 0.0}, []
+    shuffle = torch.Generator().manual_seed(seed)
+    for epoch in range(g.ppo_epochs):
+        for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
+            old, ref_lp = ([lp[i] for i in part] if lp is not None else None
+                           for lp in (old_logp, ref_logp))
+            logp, stats = accumulate_gradients(actor, [samples[i] for i in part], adv[part],
+                                               old, ref_lp, cfg, pad_id, device)
+            if old_logp is None:  # on-policy: the single forward saw the sampling policy
+                old_logp = [None] * len(samples)
+                for k, i in enumerate(part):
+                    old_logp[i] = logp[k]
+            sums["clipped"] += stats["clipped"]
+            sums["loss_tokens"] += sum(len(samples[i].response_ids) for i in part)
+            if epoch == 0:  # entropy of the policy as it meets this rollout
+                sums["entropy"] += stats["entropy"]
+            norms.append(fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    mm_sums, highs, lows = mismatch_stats(old_logp, [s.logp for s in samples], g.is_cap)
+    sums.update(mm_sums)
+    if ref_logp is not None:
+        sums["kl"] = sum(kl_penalty(o, r, g.kl_estimator).sum().item()
+                         for o, r in zip(old_logp, ref_logp))
+    return sums, highs, lows, sum(norms) / len(norms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,11 +622,13 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(npu_ops.device_type(), (world,))
     actor = fsdp_utils.build_actor(cfg.model, mesh)
+    ref = fsdp_utils.build_actor(cfg.model, mesh, reference=True) if cfg.grpo.kl_coef > 0 else None
     opt, sched = fsdp_utils.build_optimizer(cfg.optim, actor, cfg.train.steps)
-    done = 0  # steps already taken
+    done, drawn = 0, 0  # steps taken; prompts drawn from the shuffled data (all engine groups)
     ckpt = fsdp_utils.latest_checkpoint(out) if cfg.train.resume else None
     if ckpt:
-        done = fsdp_utils.load_checkpoint(ckpt, actor, opt, sched)
+        state = fsdp_utils.load_checkpoint(ckpt, actor, opt, sched)
+        done, drawn = state["step"], state["drawn"]
         log.info("resumed from %s: continuing after step %d", ckpt, done)
     if rank == 0:  # drop rows of steps after the checkpoint (a crashed run's tail), or all
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -410,6 +639,7 @@ def train(cfg: Config) -> dict:
 
         wandb.init(project=cfg.log.wandb_project, config=dataclasses.asdict(cfg))
 
+    g, P = cfg.grpo, cfg.grpo.prompts_per_step
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.train.seed))
     metrics_file = open(os.path.join(out, "metrics.jsonl"), "a") if rank == 0 else None
     bar = tqdm(range(done + 1, cfg.train.steps + 1), initial=done, total=cfg.train.steps,
@@ -417,42 +647,56 @@ def train(cfg: Config) -> dict:
     metrics = {}
     try:
         for step in bar:
-            t_step, times = time.perf_counter(), {}
-            # 1) rollout: same prompts on the ranks of one engine group, other prompts elsewhere
-            start = (step - 1) * cfg.grpo.prompts_per_step + engine_idx * per_engine
-            batch = [examples[order[(start + i) % len(examples)]] for i in range(per_engine)]
+            t_step, times = time.perf_counter(), {"gen": 0.0, "reward": 0.0}
+            # 1) rollout + 2) reward, in rounds: one round, unless dynamic sampling (DAPO) drops
+            #    the groups whose rewards are all equal and draws fresh prompts to refill the batch
             sync = weight_sync.push(actor, engine)
-            times["sync"], t = sync["seconds"], time.perf_counter()
-            seed = (random.Random(f"{cfg.rollout.seed}/{step}/{engine_idx}").getrandbits(48)
-                    if cfg.rollout.seed_per_step else None)
-            samples = engine.generate([ex["prompt_ids"] for ex in batch], n=G, seed=seed)  # (B*G,)
-            times["gen"], t = time.perf_counter() - t, time.perf_counter()
+            times["sync"] = sync["seconds"]
+            gen = {k: [] for k in ("samples", "examples", "texts", "scores", "adv", "constant",
+                                   "keep")}
+            errors = rounds = 0
+            while True:
+                batch = [examples[order[(drawn + engine_idx * per_engine + i) % len(examples)]]
+                         for i in range(per_engine)]  # same prompts on one engine group's ranks
+                drawn, rounds = drawn + P, rounds + 1
+                seed = (random.Random(f"{cfg.rollout.seed}/{step}/{engine_idx}/{rounds}")
+                        .getrandbits(48) if cfg.rollout.seed_per_step else None)
+                errors += generate_and_score(engine, batch, tokenizer, reward_fn, cfg, seed, gen,
+                                             times)
+                kept = kept_per_engine(sum(gen["keep"]), tp)  # groups, one entry per engine group
+                if not g.dynamic_sampling or sum(kept) >= P or rounds == g.max_gen_rounds:
+                    break
+            t = time.perf_counter()
             engine.sleep()  # frees weights + KV cache where the platform can (level 1 offloads)
-            times["sleep"], t = time.perf_counter() - t, time.perf_counter()
+            times["sleep"] = time.perf_counter() - t
+            groups = take_groups(gen["keep"], kept, engine_idx, P)
+            train_idx = [b * G + j for b in groups for j in range(G)  # overlong mask (DAPO)
+                         if not (g.overlong == "mask" and gen["samples"][b * G + j].truncated)]
 
-            # 2) reward: every rank of the engine group scores all of its samples (same result)
-            texts = tokenizer.batch_decode([s.response_ids for s in samples],
-                                           skip_special_tokens=True)
-            group_examples = [ex for ex in batch for _ in range(G)]
-            scores, reward_errors = rewards.score(reward_fn, texts, group_examples)
-            adv = group_advantages(torch.tensor(scores), G, cfg.grpo.adv_eps)  # (B*G,)
-            times["reward"], t = time.perf_counter() - t, time.perf_counter()
-
-            # 3) update: this rank trains on its 1/tp share of the engine group's samples
-            mine = list(range(tp_rank, len(samples), tp))
-            gap_sum = policy_update(actor, [samples[i] for i in mine], adv[mine], cfg, pad_id, device)
-            grad_norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
-            opt.step()
+            # 3) update: this rank trains on its 1/tp share of the kept samples
+            t = time.perf_counter()
+            mine = train_idx[tp_rank::tp]
+            shuffle_seed = random.Random(f"{cfg.train.seed}/{step}/{rank}").getrandbits(48)
+            sums, highs, lows, grad_norm = train_on_rollout(
+                actor, ref, opt, [gen["samples"][i] for i in mine], torch.tensor(gen["adv"])[mine],
+                cfg, pad_id, device, shuffle_seed)
             sched.step()
-            opt.zero_grad(set_to_none=True)
             times["train"] = time.perf_counter() - t
             times["step"] = time.perf_counter() - t_step
 
-            # 4) log
-            metrics = reduce_metrics([samples[i] for i in mine], [scores[i] for i in mine],
-                                     reward_errors if tp_rank == 0 else 0, gap_sum, times)
+            # 4) log: each generated sample counted once over its engine group's ranks
+            share = [gen["samples"][i] for i in range(tp_rank, len(gen["samples"]), tp)]
+            first = float(tp_rank == 0)
+            sums.update(samples=len(share), reward=sum(gen["scores"][tp_rank::tp]),
+                        response_tokens=sum(len(s.response_ids) for s in share),
+                        prompt_tokens=sum(len(s.prompt_ids) for s in share),
+                        truncated=sum(s.truncated for s in share), reward_errors=first * errors,
+                        groups_constant=first * sum(gen["constant"]),
+                        groups_trained=first * len(groups), samples_trained=first * len(train_idx))
+            metrics = reduce_metrics(sums, highs, lows, times)
             metrics.update(step=step, grad_norm=grad_norm, lr=sched.get_last_lr()[0],
-                           sync_gb=sync["bytes"] / 2**30, mem_peak_gb=npu_ops.memory_gb()["peak"])
+                           gen_rounds=rounds, sync_gb=sync["bytes"] / 2**30,
+                           mem_peak_gb=npu_ops.memory_gb()["peak"])
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 metrics["eval_reward"] = evaluate(engine, actor, eval_examples, reward_fn, tokenizer,
                                                   engine_idx, n_engines)
@@ -464,12 +708,15 @@ def train(cfg: Config) -> dict:
                     wandb.log(metrics, step=step)
                 if cfg.log.samples_every and step % cfg.log.samples_every == 0:
                     with open(os.path.join(out, "samples.jsonl"), "a") as f:
-                        for ex, text, r in list(zip(group_examples, texts, scores))[::G][:4]:
+                        for i in range(0, min(len(gen["texts"]), 4 * G), G):
+                            ex = gen["examples"][i]
                             f.write(json.dumps({"step": step, "prompt": ex[cfg.data.prompt_key],
-                                                "completion": text, "reward": r,
+                                                "completion": gen["texts"][i],
+                                                "reward": gen["scores"][i],
                                                 "answer": ex.get(cfg.data.answer_key)}) + "\n")
             if cfg.log.save_every and step % cfg.log.save_every == 0:
-                fsdp_utils.save_checkpoint(out, step, actor, opt, sched, cfg.log.keep_checkpoints)
+                fsdp_utils.save_checkpoint(out, step, actor, opt, sched, cfg.log.keep_checkpoints,
+                                           extra={"drawn": drawn})
         fsdp_utils.save_hf(actor, tokenizer, os.path.join(out, "final"))
     finally:
         if metrics_file:
@@ -480,19 +727,75 @@ def train(cfg: Config) -> dict:
     return metrics
 
 
-def reduce_metrics(samples: list, scores: list, reward_errors: int, gap_sum: float,
-                   times: dict) -> dict:
-    """Means over the global batch from each rank's share; every rank must call it."""
-    resp = sum(len(s.response_ids) for s in samples)
-    sums = torch.tensor([sum(scores), len(samples), resp, sum(len(s.prompt_ids) for s in samples),
-                         sum(s.truncated for s in samples), gap_sum, reward_errors],
-                        dtype=torch.float64)
-    dist.all_reduce(sums)
-    reward, n, resp, prompt, truncated, gap, errors = sums.tolist()
-    return {"reward_mean": reward / n, "response_len_mean": resp / n,
-            "truncated_frac": truncated / n, "reward_errors": int(errors),
-            "logp_gap": gap / max(resp, 1), **{f"{k}_time_s": v for k, v in times.items()},
-            "tokens_per_s": (prompt + resp) / times["step"]}
+def generate_and_score(engine, batch: list, tokenizer, reward_fn, cfg: Config, seed, gen: dict,
+                       times: dict) -> int:
+    """One round of rollout and reward for this engine group's prompts: samples G responses per
+    prompt, scores them, shapes the rewards (overlong penalty) into advantages, and appends all
+    of it to the lists in `gen`. Every rank of an engine group gets the same. Returns the number
+    of rewards that raised."""
+    g, t = cfg.grpo, time.perf_counter()
+    samples = engine.generate([ex["prompt_ids"] for ex in batch], n=g.group_size, seed=seed)
+    times["gen"] += time.perf_counter() - t
+    t = time.perf_counter()
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    examples = [ex for ex in batch for _ in range(g.group_size)]
+    scores, errors = rewards.score(reward_fn, texts, examples)
+    shaped = torch.tensor(scores, dtype=torch.float64)  # (B*G,)
+    if g.overlong == "penalty":
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        shaped += overlong_penalty(lengths, cfg.rollout.max_new_tokens, g.overlong_buffer,
+                                   g.overlong_penalty_factor)
+    constant = constant_groups(shaped, g.group_size).tolist()  # (B,)
+    gen["samples"] += samples
+    gen["examples"] += examples
+    gen["texts"] += texts
+    gen["scores"] += scores
+    gen["adv"] += group_advantages(shaped, g.group_size, g.adv_eps, g.scale_adv_by_std).tolist()
+    gen["constant"] += constant
+    gen["keep"] += [not (c and g.dynamic_sampling) for c in constant]  # constant: no gradient
+    times["reward"] += time.perf_counter() - t
+    return errors
+
+
+def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[int]:
+    """This engine group's groups for the update: the kept ones (keep[b]), at most `target` over
+    all engine groups, taken in engine-group order (kept[e]: engine group e's count)."""
+    quota = min(kept[engine_idx], max(0, target - sum(kept[:engine_idx])))
+    return [b for b, k in enumerate(keep) if k][:quota]
+
+
+def kept_per_engine(kept: int, tp: int) -> list[int]:
+    """All-gather this engine group's count of kept groups: one entry per engine group."""
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([kept]))
+    return [int(c) for c in counts[::tp]]
+
+
+def reduce_metrics(sums: dict, highs: dict, lows: dict, times: dict) -> dict:
+    """All-reduce this rank's sums (and maxima, minima); return the step's means. Every rank must
+    call it, with the same keys."""
+    def reduce(d, op):
+        t = torch.tensor(list(d.values()), dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return dict(zip(d, t.tolist()))
+
+    s, hi, lo = reduce(sums, dist.ReduceOp.SUM), reduce(highs, dist.ReduceOp.MAX), \
+        reduce(lows, dist.ReduceOp.MIN)
+    n, tokens = max(s["samples"], 1), max(s["mm_tokens"], 1)  # generated; trained tokens
+    m = {"reward_mean": s["reward"] / n, "response_len_mean": s["response_tokens"] / n,
+         "truncated_frac": s["truncated"] / n, "reward_errors": int(s["reward_errors"]),
+         "groups_constant": int(s["groups_constant"]), "groups_trained": int(s["groups_trained"]),
+         "samples_trained": int(s["samples_trained"]),
+         "entropy": s["entropy"] / tokens, "clip_frac": s["clipped"] / max(s["loss_tokens"], 1),
+         "logp_gap": s["logp_gap"] / tokens, "is_ratio_mean": s["is_ratio_mean"] / tokens,
+         "is_ratio_max": hi["is_ratio_max"], "is_ratio_min": lo["is_ratio_min"],
+         "is_above_cap_frac": s["is_above_cap_frac"] / tokens,
+         "seq_outside_cap_frac": s["seq_outside_cap_frac"] / max(s["mm_seqs"], 1)}
+    if "kl" in s:
+        m["kl"] = s["kl"] / tokens
+    m.update({f"{k}_time_s": v for k, v in times.items()})
+    m["tokens_per_s"] = (s["prompt_tokens"] + s["response_tokens"]) / times["step"]
+    return m
 
 
 def keep_rows_upto(path: str, step: int) -> None:
@@ -525,7 +828,9 @@ def evaluate(engine, actor, examples, reward_fn, tokenizer, engine_idx, n_engine
 
 def format_line(m: dict, steps: int) -> str:
     line = (f"step {m['step']}/{steps} | reward {m['reward_mean']:.3f} | "
-            f"len {m['response_len_mean']:.1f} | gap {m['logp_gap']:.1e} | "
+            f"len {m['response_len_mean']:.1f} | ent {m['entropy']:.2f} | "
+            + (f"kl {m['kl']:.4f} | " if "kl" in m else "")
+            + f"gap {m['logp_gap']:.1e} | "
             f"gen {m['gen_time_s']:.2f}s sync {m['sync_time_s']:.2f}s "
             f"reward {m['reward_time_s']:.2f}s train {m['train_time_s']:.2f}s | "
             f"{m['tokens_per_s']:.0f} tok/s | mem {m['mem_peak_gb']:.1f}G")

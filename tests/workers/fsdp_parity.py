@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 from rollout import Sample
-from train_grpo import Config, init_distributed, policy_update
+from train_grpo import Config, accumulate_gradients, init_distributed
 
 model_dir, reshard, ckpt = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 rank, world = init_distributed()
@@ -23,6 +23,7 @@ cfg = Config()
 cfg.model = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32",
                                    reshard_after_forward=reshard, gradient_checkpointing=ckpt)
 cfg.grpo.micro_batch_tokens = 16  # several micro-batches, and unequal counts across ranks
+cfg.grpo.is_correction = "none"  # the samples' engine logp are placeholders
 cfg.optim = fsdp_utils.OptimConfig(lr=1e-2, grad_clip=0.5)
 actor = fsdp_utils.build_actor(cfg.model, init_device_mesh("cpu", (world,)))
 opt, _ = fsdp_utils.build_optimizer(cfg.optim, actor, total_steps=10)
@@ -40,7 +41,7 @@ for step in range(3):
         samples.append(Sample(p.tolist(), r.tolist(), [0.0] * len(r), False))
     adv = torch.randn(8, generator=g)
     mine = list(range(rank, 8, world))
-    policy_update(actor, [samples[i] for i in mine], adv[mine], cfg, pad_id=0, device="cpu")
+    accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg, 0, "cpu")
     norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
     grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
     opt.step()
