@@ -628,7 +628,7 @@ def train(cfg: Config) -> dict:
     ckpt = fsdp_utils.latest_checkpoint(out) if cfg.train.resume else None
     if ckpt:
         state = fsdp_utils.load_checkpoint(ckpt, actor, opt, sched)
-        done, drawn = state["step"], state["drawn"]
+        done, drawn = state["step"], state.get("drawn", state["step"] * cfg.grpo.prompts_per_step)
         log.info("resumed from %s: continuing after step %d", ckpt, done)
     if rank == 0:  # drop rows of steps after the checkpoint (a crashed run's tail), or all
         for name in ("metrics.jsonl", "samples.jsonl"):

@@ -73,11 +73,11 @@ def test_shipped_config_loads():
     ("--grpo.is_correction=clip", 1, "grpo.is_correction='clip'"),
     ("--grpo.overlong=cut", 1, "grpo.overlong='cut'"),
     ("--grpo.clip_low=1.5", 1, "grpo.clip_low=1.5 must be in"),
-    ("--grpo.mini_batches=1000", 2, "grpo.mini_batches=1000 between 1 and the samples per rank (256)"),
+    ("--grpo.mini_batches=1000", 2, "mini_batches=1000 between 1 and the samples per rank (256)"),
     ("--grpo.ppo_epochs=0", 1, "grpo.ppo_epochs=0 must be >= 1"),
     ("--grpo.kl_coef=-1", 1, "grpo.kl_coef=-1.0 must be >= 0"),
     ("--grpo.is_cap=1", 1, "grpo.is_cap=1.0 must be > 1"),
-    ("--grpo.max_gen_rounds=3", 1, "grpo.max_gen_rounds=3: more than 1 needs grpo.dynamic_sampling"),
+    ("--grpo.max_gen_rounds=3", 1, "max_gen_rounds=3: more than 1 needs grpo.dynamic_sampling"),
     ("--grpo.overlong=penalty", 1, "grpo.overlong=penalty needs 0 < grpo.overlong_buffer"),
 ])
 def test_derived_constraints(override, world, message):

@@ -10,7 +10,10 @@ import torch
 from conftest import ROOT, launch
 
 KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s", "sync_time_s",
-        "train_time_s", "tokens_per_s", "reward_time_s", "logp_gap", "reward_errors"}
+        "train_time_s", "tokens_per_s", "reward_time_s", "logp_gap", "reward_errors", "entropy",
+        "clip_frac", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_above_cap_frac",
+        "seq_outside_cap_frac", "groups_constant", "groups_trained", "samples_trained",
+        "gen_rounds"}
 
 
 def test_two_rank_run_learns(tmp_path):
@@ -39,6 +42,36 @@ def test_two_rank_run_learns(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(task_dir / "model")
     assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight,
                            base.model.layers[0].mlp.up_proj.weight)
+
+
+def test_variants_run_and_learn(tiny_task_dir, tmp_path):
+    """The non-default paths through the real loop at once: sequence-mean loss, clip-higher, two
+    epochs of two mini-batches, a KL term to the frozen reference, sequence-level mismatch
+    masking, dynamic sampling with refill rounds, and the soft overlong penalty."""
+    steps, prompts = 30, 32
+    launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
+            f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}",
+            "--log.eval_every=0", f"--grpo.prompts_per_step={prompts}", "--grpo.loss_agg=seq_mean",
+            "--grpo.clip_high=0.28", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
+            "--grpo.kl_coef=0.01", "--grpo.is_correction=seq_mask", "--grpo.dynamic_sampling=true",
+            "--grpo.max_gen_rounds=3", "--grpo.overlong=penalty", "--grpo.overlong_buffer=2",
+            "--grpo.overlong_penalty_factor=0.1"], timeout=900)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert KEYS | {"kl"} <= set(rows[0])
+    # step 1: the actor is the reference, so the KL is 0; the update moves it away after that
+    assert abs(rows[0]["kl"]) < 1e-6 and all(r["kl"] > 0 for r in rows[1:])
+    # several updates per rollout: the clip engages; fp32 engine == trainer: nothing masked
+    assert sum(r["clip_frac"] for r in rows) > 0
+    assert all(r["seq_outside_cap_frac"] == 0 and r["logp_gap"] < 1e-4 for r in rows)
+    # dynamic sampling: constant groups dropped, refill rounds drawn, never more than the batch
+    assert any(r["gen_rounds"] > 1 for r in rows) and sum(r["groups_constant"] for r in rows) > 0
+    assert all(r["groups_trained"] <= prompts for r in rows)
+    # the overlong penalty teaches the model to stop before the limit
+    assert rows[0]["truncated_frac"] > 0.5 and sum(r["truncated_frac"] for r in rows[-5:]) < 0.05
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > 2 * first and last > 0.05, (first, last)
 
 
 def test_notebook_style_world_of_one(tiny_task_dir, tmp_path):

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import npu_ops
 import tiny_task

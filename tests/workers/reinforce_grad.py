@@ -75,9 +75,16 @@ class FirstStep:
 
 recomputed = []
 real_sample_logprobs = train_grpo.sample_logprobs
-train_grpo.sample_logprobs = lambda model, *a: recomputed.append(model) or real_sample_logprobs(model, *a)
 
-cases = [(agg, 1, 1, 0.0, "k3") for agg in LOSS_AGGS] + [(agg, 2, 2, 0.0, "k3") for agg in LOSS_AGGS]
+
+def counting_sample_logprobs(model, *args):
+    recomputed.append(model)
+    return real_sample_logprobs(model, *args)
+
+
+train_grpo.sample_logprobs = counting_sample_logprobs
+
+cases = [(agg, epochs, epochs, 0.0, "k3") for epochs in (1, 2) for agg in LOSS_AGGS]
 cases += [("seq_mean", 1, 1, 0.5, "k1"), ("token_mean", 2, 3, 0.5, "k3")]
 for agg, epochs, n_mb, kl_coef, est in cases:
     cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = agg, epochs, n_mb
@@ -118,7 +125,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
 # surrogate on an unsharded model trained alongside with the same splits, ratios taken against
 # the logprobs from before the first step.
 train_grpo.sample_logprobs = real_sample_logprobs
-cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches, cfg.grpo.kl_coef = "token_mean", 2, 2, 0.0
+cfg.grpo.loss_agg, cfg.grpo.kl_coef = "token_mean", 0.0
+cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = 2, 2
 cfg.grpo.clip_low, cfg.grpo.clip_high = 0.1, 0.15
 grads = []
 
