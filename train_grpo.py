@@ -331,8 +331,9 @@ def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs:
     ratio = torch.exp(logp - old_logp)
     adv = adv.unsqueeze(1)  # (N, 1)
     clipped_ratio = ratio.clamp(1 - g.clip_low, 1 + g.clip_high)  # DAPO "clip-higher" if high > low
-    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # PPO's clipped surrogate
-    clipped = (ratio * adv) > (clipped_ratio * adv)
+    unclipped_term, clipped_term = ratio * adv, clipped_ratio * adv
+    per_token = -torch.minimum(unclipped_term, clipped_term)  # PPO's clipped surrogate
+    clipped = unclipped_term > clipped_term  # the min took the clipped term: no gradient here
     if is_weight is not None:
         per_token = per_token * is_weight
     if ref_logp is not None and g.kl_coef > 0:  # KL in the loss, not the reward (DeepSeekMath)
