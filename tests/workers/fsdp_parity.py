@@ -1,7 +1,13 @@
 """2 ranks: FSDP2-sharded GRPO updates (train_grpo.policy_update) equal unsharded updates.
 
-The reference is an unsharded HF model on every rank, updated from the whole global batch with a
-per-sequence loop written independently of the trainer: loss = -sum_i A_i sum_t logp_it / N.
+The reference is an unsharded HF model on every rank; its gradient over the whole global batch
+comes from a per-sequence loop written independently of the trainer:
+loss = -sum_i A_i sum_t logp_it / N. Once its gradient is checked against the sharded one, the
+reference's own AdamW steps with the sharded gradient, so both models stay on the same weights
+(to the rounding of Adam's elementwise arithmetic) and every step is checked as strictly as the
+first. Were each to step with its own gradient, Adam's division by sqrt(v) would turn 1e-7
+differences on near-zero gradients into weight differences of order lr, and the later steps would
+compare gradients at different weights.
 Usage: torchrun --nproc_per_node 2 tests/workers/fsdp_parity.py MODEL_DIR RESHARD GRAD_CKPT
 """
 
@@ -42,8 +48,9 @@ for step in range(3):
     adv = torch.randn(8, generator=g)
     mine = list(range(rank, 8, world))
     accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg, 0, "cpu")
+    grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}  # before clip
     norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
-    grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
+    clipped = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}
     opt.step()
     opt.zero_grad()
 
@@ -55,17 +62,25 @@ for step in range(3):
         for t, tok in enumerate(s.response_ids):
             loss = loss - a * lp[len(s.prompt_ids) - 1 + t, tok] / n_tokens
     loss.backward()
+    named = dict(ref.named_parameters())
+    grad_err = max((grads[n] - p.grad).abs().max().item() for n, p in named.items())
+    grad_max = max(p.grad.abs().max().item() for p in named.values())
+    diff_norm = sum(((grads[n].double() - p.grad.double()) ** 2).sum() for n, p in named.items())
+    diff_norm = diff_norm.sqrt().item()  # || sharded grad - unsharded grad ||_2, in float64
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optim.grad_clip).item()
-    grad_err = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
-    grad_max = max(p.grad.abs().max().item() for p in ref.parameters())
     print(f"rank {rank} step {step}: grad norm {norm:.6f} vs {ref_norm:.6f}, "
           f"max grad error {grad_err:.2e} (max grad {grad_max:.2e})")
-    # step 0 starts from identical weights: gradients must agree to fp32 reduction-order noise;
-    # later steps start from weights that Adam's normalisation already drifted apart slightly
-    assert grad_err < (1e-6 if step == 0 else 1e-3) * grad_max, grad_err
+    # Same weights, same batch: the gradients differ only by fp32 summation order (over ranks,
+    # micro-batches and sequences). Each element sums ~100 per-token terms: rounding that walks
+    # randomly moves such a sum by about sqrt(100) * 2^-24 = 6e-7 of its terms' size.
+    assert grad_err < 1e-6 * grad_max, (step, grad_err, grad_max)
+    # |‖a‖ - ‖b‖| <= ‖a - b‖ (triangle inequality); on top of that, each norm is itself an fp32
+    # sum of squares whose relative rounding error is about log2(#elements) * 2^-24 < 2e-6
+    assert abs(norm - ref_norm) <= diff_norm + 2e-6 * ref_norm, (step, norm, ref_norm, diff_norm)
+    for n, p in named.items():  # the reference's AdamW steps with the sharded run's gradient
+        p.grad.copy_(clipped[n])
     ref_opt.step()
     ref_opt.zero_grad()
-    assert abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm), (step, norm, ref_norm)
 
 full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in actor.named_parameters()}
 worst = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
@@ -73,8 +88,9 @@ moved = max((p - q).abs().max().item() for p, q in
             zip(ref.parameters(), AutoModelForCausalLM.from_pretrained(model_dir).parameters()))
 print(f"rank {rank}: max |sharded - unsharded| = {worst:.2e}, weights moved by {moved:.2e}")
 assert moved > 1e-3, "the updates did not change the weights: the test would prove nothing"
-# Adam divides by sqrt(v): gradients equal to 1e-7 still give updates that differ by more on
-# elements whose gradient is near zero, so the weights get a looser bound than the gradients
-assert worst < 2e-2 * moved, worst
+# sharded and unsharded AdamW apply the same elementwise arithmetic to the same gradients: the
+# weights may differ by the rounding of a few fp32 operations per step (ulps of lr-sized updates
+# on weights of order 1), far below 1e-5, and never by an update (order lr = 1e-2)
+assert worst < 1e-5, worst
 dist.destroy_process_group()
 print("FSDP_PARITY_OK")
