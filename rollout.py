@@ -81,6 +81,7 @@ class Engine:
         # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
         # the trainer's one line per step stays readable (raise it again here to debug)
         logging.getLogger("vllm").setLevel(logging.WARNING)
+        quiet_rotary_reload_warning()
         self.asleep = False  # KV cache freed: no generate until wake(["kv_cache"])
         self.weights_awake = True
 
@@ -148,6 +149,25 @@ class Engine:
                                "or the load writes into unmapped memory")
         _reload_weights_in_place(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
+
+
+def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    return not (record.msg == "%s: Failed to load weights" and record.args
+                and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+def quiet_rotary_reload_warning() -> None:
+    """Keep one vLLM warning out of the console: "RotaryEmbedding: Failed to load weights" (or a
+    subclass's name, as vLLM-Ascend's AscendRotaryEmbedding), logged on every rank at every
+    sync. vLLM's layerwise reload (model_loader/reload/layerwise.py,
+    finalize_layerwise_processing, vLLM 0.23 and 0.32) logs it for each layer that holds tensors
+    but received none; a rotary embedding's only tensor is its cos/sin buffer, which is no
+    checkpoint weight, and the reload puts it back unchanged (tests/test_engine_sync.py checks the
+    engine's logprobs after each sync). The same warning for any other layer, a weight that
+    really went missing, still shows."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _drop_rotary_reload_warning not in logger.filters:
+        logger.addFilter(_drop_rotary_reload_warning)
 
 
 def _reload_weights_in_place(llm, named_tensors) -> None:

@@ -95,3 +95,26 @@ def test_engine_guards_the_wake_order():
     # the prefix cache is dropped right after the load, before anything can generate
     assert fake.calls == [("sleep", 1), ("wake_up", ("weights",)), ("collective_rpc",),
                           ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+
+
+def test_only_the_rotary_reload_warning_is_dropped():
+    import logging
+
+    import rollout
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        rollout.quiet_rotary_reload_warning()
+        rollout.quiet_rotary_reload_warning()  # idempotent: one filter
+        for layer in ("RotaryEmbedding", "AscendRotaryEmbedding", "QKVParallelLinear"):
+            logger.warning("%s: Failed to load weights", layer)
+        logger.warning("something else about RotaryEmbedding")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights",
+                    "something else about RotaryEmbedding"]
+    assert len(logger.filters) == 1
