@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install the Ascend NPU stack into the current Python environment (a venv or conda env you made
+# with Python 3.10-3.12), in the order vLLM-Ascend 0.23.0's installation guide gives
+# (docs/source/installation.md). Not run by this project: no NPU is reachable from its machines.
+#
+#   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # CANN 9.1.0 (+ NNAL), from Huawei
+#   bash scripts/setup_npu.sh
+#
+# Where each part comes from:
+#   CANN, NNAL        Huawei's installer or a CANN image: not pip; this script only checks for it
+#   torch, torch-npu  PyPI (torch 2.10.0 is what torch-npu 2.10.0.post4 is built against)
+#   vllm 0.23.0       its git tag, built with VLLM_TARGET_DEVICE=empty (vLLM-Ascend's source
+#                     route): PyPI's vllm 0.23.0 wheel requires torch==2.11.0, which torch-npu 2.10
+#                     cannot run with; the "empty" build pins no torch and reports 0.23.0+empty
+#   vllm-ascend       PyPI (0.23.0 has cp310-cp312 wheels; the extra indexes are the ones its
+#                     guide adds, for packages such as triton-ascend)
+#   the rest          requirements-npu.txt (-> requirements.txt)
+# In vLLM-Ascend's container image (quay.io/ascend/vllm-ascend:v0.23.0, -a3 for A3) all of this
+# but requirements.txt is installed already: the script sees that and installs only the rest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VLLM_TAG=v0.23.0           # rollout.TESTED_VLLM and npu_ops.TESTED_NPU_STACKS name this release
+VLLM_ASCEND=0.23.0
+TORCH=2.10.0
+TORCH_NPU=2.10.0.post4
+SRC=${SRC:-$HOME/.cache/grpo-npu-src}
+
+"$PY" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12), sys.version' || {
+  echo "setup_npu.sh: vLLM-Ascend 0.23.0 supports Python 3.10-3.12; set PYTHON=python3.x" >&2; exit 1; }
+if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -z "${ASCEND_HOME_PATH:-}" ]; then
+  echo "setup_npu.sh: CANN is not set up in this shell. Install CANN 9.1.0 and NNAL 9.1.0, then" >&2
+  echo "  source /usr/local/Ascend/ascend-toolkit/set_env.sh   (or use vLLM-Ascend's image)" >&2
+  exit 1
+fi
+installed() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
+
+if [ "$(installed vllm-ascend)" != "$VLLM_ASCEND" ]; then
+  extra=()
+  # x86 only: torch's CPU build instead of PyPI's CUDA one (vLLM-Ascend's guide suggests this index)
+  [ "$(uname -m)" = x86_64 ] && extra=(--extra-index-url https://download.pytorch.org/whl/cpu/)
+  "$PY" -m pip install "${extra[@]}" "torch==$TORCH" "torch-npu==$TORCH_NPU"
+  if [ ! -d "$SRC/vllm" ]; then
+    git clone --depth 1 --branch "$VLLM_TAG" https://github.com/vllm-project/vllm "$SRC/vllm"
+  fi
+  VLLM_TARGET_DEVICE=empty "$PY" -m pip install "$SRC/vllm"
+  "$PY" -m pip install \
+    --extra-index-url https://mirrors.huaweicloud.com/ascend/repos/pypi/variant \
+    --extra-index-url https://mirrors.huaweicloud.com/ascend/repos/pypi \
+    "vllm-ascend==$VLLM_ASCEND"
+fi
+"$PY" -m pip install -r requirements-npu.txt
+# the start-up checks of the trainer, on the installed versions (no model, no device needed)
+"$PY" -c 'import npu_ops; v = npu_ops.installed_versions(); print(v); npu_ops.check_ascend({"VLLM_ASCEND_ENABLE_NZ": "0"}, v)'
