@@ -1,19 +1,22 @@
 """The platform layer: the only file that names npu, cuda or torch_npu.
 
 Everything device-specific is decided here once, logged, and exposed as plain functions:
+0. the Ascend environment, set at import, before torch (and with it torch_npu) loads;
 1. platform: device type (npu > cuda > cpu), process-group backend, local device, memory, sync;
-2. environment: Ascend defaults set before torch_npu and the engine initialise (user values win);
-3. checks: Ascend misconfigurations that would otherwise fail minutes into start-up;
+2. environment that depends on the config, set before the device initialises;
+3. checks: Ascend misconfigurations that would fail minutes into start-up or train on wrong numbers;
 4. fused kernels for Qwen2/Qwen3 (dense): RMSNorm, rotary embedding, SwiGLU MLP, each next to its
    reference implementation, plus the choice of attention implementation.
 
 What was verified where: the CPU paths and the wiring of every NPU branch run in CI (the kernel
 patches against a stand-in namespace that implements torch_npu's documented signatures in plain
-torch). Nothing here has been run on an Ascend NPU by this project: the NPU facts come from the
-documentation and code of torch_npu, vLLM-Ascend and transformers, and say so where they are used.
+torch; the environment order against a stand-in torch_npu that torch autoloads). Nothing here has
+been run on an Ascend NPU by this project: the NPU facts come from the source of torch_npu 2.10,
+vLLM-Ascend 0.23.0 and transformers, named where they are used.
 """
 
 import functools
+import gc
 import importlib.metadata
 import importlib.util
 import logging
@@ -21,19 +24,75 @@ import os
 import sys
 import types
 
-import torch
+# ----------------------------------------------------------------------------------------------
+# 0) the Ascend environment, before torch loads
+#
+# torch_npu registers a `torch.backends` entry point, so `import torch` imports torch_npu as its
+# last step (torch/__init__.py, _import_device_backends). torch_npu 2.10 (tag
+# v26.0.0-pytorch2.10.0) reads none of our variables at that import (the task queue level at the
+# first stream or operator, the allocator and CPU affinity at device init, HCCL's at the first
+# communicator, vLLM-Ascend's at engine start), but in an interactive session (IPython, Jupyter,
+# python -i) the import overwrites TASK_QUEUE_ENABLE with 0 and warns not to raise it. So this
+# module, imported before torch, sets the defaults that need no config and remembers what the
+# user had set, so that torch_npu's 0 is not taken for the user's; `setup_env` adds the rest.
+
+ASCEND_ENV = ("TASK_QUEUE_ENABLE", "HCCL_OP_EXPANSION_MODE", "VLLM_ASCEND_ENABLE_NZ",
+              "CPU_AFFINITY_CONF", "PYTORCH_NPU_ALLOC_CONF", "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE")
+
+
+def npu_installed() -> bool:
+    """torch_npu is installed. Does not import it: importing starts the Ascend runtime (CANN),
+    which must only happen after the environment is set."""
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 1,
+                        soc: str | None = None) -> dict:
+    """The environment an RL run on Ascend wants (not run here; sources named):
+    - TASK_QUEUE_ENABLE: 2 dispatches more work on a second thread (faster in eager mode), but
+      torch_npu refuses graph capture with it, so graph mode needs 1;
+    - HCCL_OP_EXPANSION_MODE=AIV: collectives scheduled by the AI vector cores, not the AI CPU;
+    - VLLM_ASCEND_ENABLE_NZ=0: vLLM-Ascend 0.23's NPUWorker.wake_up (worker/worker.py) raises
+      "FRACTAL_NZ mode is enabled" unless the weight NZ mode is 0, and its default is 1 (envs.py);
+    - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
+    - CPU_AFFINITY_CONF=1: torch_npu binds its threads (main, task queue, release, HCCL watchdog)
+      to its card's share of the cores (NPUAffinityController.cpp); 2 gives each its own core.
+      vLLM-Ascend's process-wide binding is switched off instead (`engine_kwargs`);
+    - VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE=1 for a tensor-parallel engine on A2 (910B): vLLM-Ascend
+      0.23 then runs each RowParallelLinear as one fused matmul + all-reduce (ops/linear_op.py,
+      npu_mm_all_reduce_base when tp_size > 1); envs.py documents it for A2 only. Its fused path
+      skips the layer's quantisation method: fine for the bf16 weights we sync.
+    `soc` is vLLM-Ascend's build target ('A2', 'A3', ...; `ascend_soc`)."""
+    env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "HCCL_OP_EXPANSION_MODE": "AIV",
+           "VLLM_ASCEND_ENABLE_NZ": "0", "CPU_AFFINITY_CONF": "1"}
+    if sleep_mode:
+        env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:False"
+    if tp_size > 1 and soc == "A2":
+        env["VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"] = "1"
+    return env
+
+
+def _set_env_before_torch() -> dict:
+    """At import: the defaults for eager mode with sleep mode (what the configs ship), where the
+    user set none. Returns what it set."""
+    if not npu_installed() or "torch_npu" in sys.modules:
+        return {}
+    early = {k: v for k, v in ascend_env_defaults().items() if k not in os.environ}
+    os.environ.update(early)
+    return early
+
+
+_USER_ENV = {name: os.environ.get(name) for name in ASCEND_ENV}  # before this module sets any
+_TORCH_FIRST = "torch" in sys.modules  # then torch_npu (if installed) loaded before this module
+_OURS = _set_env_before_torch()  # name -> value this module set; setup_env adds to it
+
+import torch  # noqa: E402  (after the environment: this import also loads torch_npu)
 
 log = logging.getLogger("grpo")
 
 
 # ----------------------------------------------------------------------------------------------
 # 1) platform
-
-
-def npu_installed() -> bool:
-    """torch_npu is installed. Does not import it: importing starts the Ascend runtime (CANN),
-    which must only happen after `setup_env`."""
-    return importlib.util.find_spec("torch_npu") is not None
 
 
 @functools.cache
@@ -54,9 +113,14 @@ def dist_backend() -> str:
     return {"npu": "cpu:gloo,npu:hccl", "cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}[device_type()]
 
 
-def _accel(name: str):
-    """torch.accelerator's function `name` where this torch has it, else torch.<device>'s."""
-    return getattr(torch.accelerator, name, None) or getattr(getattr(torch, device_type()), name)
+def device_module():
+    """torch.cuda or torch.npu, whose own functions reach the device's allocator. Not
+    torch.accelerator: torch_npu 2.10's allocator is a plain c10::Allocator (NPUCachingAllocator.h,
+    `class NPUAllocator : public c10::Allocator`), which torch.accelerator's memory functions
+    require to be a DeviceAllocator, and vLLM-Ascend 0.23 (patch/platform/
+    patch_torch_accelerator.py) redirects only empty_cache, memory_stats, memory_reserved and
+    reset_peak_memory_stats to torch.npu, not memory_allocated or max_memory_allocated."""
+    return getattr(torch, device_type())
 
 
 def local_device() -> torch.device:
@@ -65,7 +129,7 @@ def local_device() -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     idx = int(os.environ.get("LOCAL_RANK", "0"))
-    _accel("set_device_index")(idx)
+    device_module().set_device(idx)
     return torch.device(kind, idx)
 
 
@@ -76,12 +140,23 @@ def engine_supports_sleep() -> bool:
 
 def synchronize() -> None:
     if device_type() != "cpu":
-        _accel("synchronize")()
+        device_module().synchronize()
 
 
 def empty_cache() -> None:
     if device_type() != "cpu":
-        _accel("empty_cache")()
+        device_module().empty_cache()
+
+
+def release_cached_memory() -> None:
+    """Give the trainer's freed-but-cached device blocks back before the engine maps memory.
+    vLLM's CUDA allocator does this itself at wake-up (0.32 device_allocator/cumem.py: gc.collect()
+    and empty_cache() first); vLLM-Ascend 0.23's does not (device_allocator/camem.py,
+    CaMemAllocator.wake_up maps at once), so without this the engine's weights and KV cache can
+    fail to fit beside blocks torch_npu's cache still holds. gc first: tensors kept alive only by
+    reference cycles free their blocks only when collected."""
+    gc.collect()
+    empty_cache()
 
 
 def memory_gb() -> dict:
@@ -93,58 +168,90 @@ def memory_gb() -> dict:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
         return {"allocated": rss, "reserved": rss, "peak": peak}
-    return {"allocated": _accel("memory_allocated")() / 2**30,
-            "reserved": _accel("memory_reserved")() / 2**30,
-            "peak": _accel("max_memory_allocated")() / 2**30}
+    mod = device_module()
+    return {"allocated": mod.memory_allocated() / 2**30, "reserved": mod.memory_reserved() / 2**30,
+            "peak": mod.max_memory_allocated() / 2**30}
+
+
+def device_memory_used_gb() -> float | None:
+    """Device memory in use by every allocator (the engine's pool is not torch's); None on CPU."""
+    if device_type() == "cpu":
+        return None
+    free, total = device_module().mem_get_info()
+    return (total - free) / 2**30
 
 
 # ----------------------------------------------------------------------------------------------
-# 2) environment
+# 2) environment that depends on the config
 
 
-def ascend_env_defaults(graph_mode: bool, sleep_mode: bool) -> dict:
-    """The environment an RL run on Ascend wants, from torch_npu's and vLLM-Ascend's docs and
-    verl's Ascend tuning guide (not run here):
-    - TASK_QUEUE_ENABLE: 2 moves more operator dispatch to a second thread (faster in eager
-      mode), but torch_npu refuses graph capture with it, so graph mode needs 1;
-    - HCCL_OP_EXPANSION_MODE=AIV: collectives scheduled by the AI vector cores, not the AI CPU;
-    - VLLM_ASCEND_ENABLE_NZ=0: the NZ weight layout makes derived copies of weights that an
-      in-place weight sync does not update (garbled generations after the first sync);
-    - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
-    - CPU_AFFINITY_CONF=1: bind each rank's threads to its card's share of CPU cores (2 binds
-      finer; vLLM-Ascend also binds its own threads).
-    """
-    env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "HCCL_OP_EXPANSION_MODE": "AIV",
-           "VLLM_ASCEND_ENABLE_NZ": "0", "CPU_AFFINITY_CONF": "1"}
-    if sleep_mode:
-        env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:False"
-    return env
+def ascend_soc() -> str | None:
+    """The chip vLLM-Ascend was built for: 'A2' (910B), 'A3', '_310P', 'A5'; None without it.
+    vLLM-Ascend 0.23's setup.py writes it to vllm_ascend/_build_info.py from SOC_VERSION, and
+    its utils.get_ascend_device_type reads the same (A2 when the build did not say). Reading it
+    starts no runtime."""
+    try:
+        from vllm_ascend import _build_info
+    except ImportError:
+        return None
+    return getattr(_build_info, "__device_type__", "A2")
 
 
-def setup_env(graph_mode: bool = False, sleep_mode: bool = True) -> dict:
-    """Set environment defaults before the engine or the accelerator runtime initialise.
+def _interactive() -> bool:
+    """torch_npu's own test for an interactive session (torch_npu/utils/utils.py)."""
+    import builtins
 
-    A value already in the user's environment is kept. Returns {name: (value, "default"|"user")}
-    for every variable this platform cares about, for the start-up log.
-    Call it before `device_type()`, the process group and the engine. Recent torch may import
-    torch_npu together with torch (device-backend autoload); these variables are read when the
-    device, the allocator and HCCL initialise, which happens later (from torch_npu's docs, not
-    checked on an NPU). Exporting them in the shell is always safe.
+    return (hasattr(sys, "ps1") or hasattr(builtins, "__IPYTHON__") or bool(sys.flags.interactive)
+            or "ipykernel" in sys.modules)
+
+
+def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 1) -> dict:
+    """Set the environment defaults that depend on the config, before the device, the process
+    group or the engine initialise (torch_npu reads these then, not at import: section 0).
+
+    A value the user set is kept. Returns {name: (value, source)} for every variable this
+    platform cares about, for the start-up log; source is "user", "default", or "torch_npu" for
+    the task queue level torch_npu forces to 0 in an interactive session (kept: torch_npu warns
+    against raising it there).
     """
     if npu_installed():
-        wanted = ascend_env_defaults(graph_mode, sleep_mode)
+        wanted = ascend_env_defaults(graph_mode, sleep_mode, tp_size, ascend_soc())
+        if _TORCH_FIRST:
+            log.warning("torch was imported before npu_ops, so torch_npu loaded before the Ascend "
+                        "environment was set: import train_grpo (or npu_ops) before torch, or "
+                        "export the variables in the shell")
     elif torch.cuda.is_available():
         wanted = {}
     else:  # CPU: one OpenMP thread per rank, ~10x faster generation than oversubscribed cores
         wanted = {"OMP_NUM_THREADS": "1"}
     report = {}
     for name, value in wanted.items():
-        report[name] = (os.environ.get(name, value), "user" if name in os.environ else "default")
-        os.environ.setdefault(name, value)
+        current = os.environ.get(name)
+        ours = current is None or _OURS.get(name) == current
+        if (name == "TASK_QUEUE_ENABLE" and current == "0" and _USER_ENV.get(name) != "0"
+                and "torch_npu" in sys.modules and _interactive()):
+            report[name] = (current, "torch_npu")
+        elif ours:
+            os.environ[name] = _OURS[name] = value
+            report[name] = (value, "default")
+        else:
+            report[name] = (current, "user")
     if "OMP_NUM_THREADS" in wanted:
         # vLLM's CPU worker later turns torch.set_num_threads into a no-op: set it now.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     return report
+
+
+def engine_kwargs() -> dict:
+    """Platform arguments for vLLM's LLM(). On NPU, vLLM-Ascend 0.23's CPU binding is off
+    (ascend_config.py enable_cpu_binding, default on; cpu_binding.py): after warm-up it runs
+    `taskset -acp` on the whole process, here the trainer too (torch_npu's threads that
+    CPU_AFFINITY_CONF bound included), migrates its memory to the card's NUMA node and may stop
+    the machine's irqbalance and rewrite IRQ affinities. A server owning the machine wants that;
+    a training job does not. CPU_AFFINITY_CONF binds per card instead (ascend_env_defaults)."""
+    if device_type() == "npu":
+        return {"additional_config": {"enable_cpu_binding": False}}
+    return {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,46 +275,68 @@ def installed_versions() -> dict:
     return out
 
 
-def _release(version: str) -> str:
-    """'0.23.0.post1' -> '0.23.0'; '2.10.0.post4' stays (torch-npu's post releases differ)."""
-    return version.split(".post")[0] if version else version
+def release(version: str | None) -> tuple | None:
+    """The release numbers of a PEP 440 version, without pre, post or local parts: '0.23.0+empty'
+    (vLLM built with VLLM_TARGET_DEVICE=empty, as in vLLM-Ascend's image), '0.23.0.post1' and
+    '0.23.0rc1' all give (0, 23, 0)."""
+    from packaging.version import Version
+
+    return Version(version).release if version else None
 
 
-def check_ascend(graph_mode: bool, sleep_level: int, env: dict, versions: dict) -> list:
+def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0) -> list:
     """Ascend misconfigurations, each as one line naming the setting and the fix.
 
-    Raises ValueError for what would fail or silently train on garbage; returns warnings.
+    Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
     """
+    from packaging.version import Version
+
     errors, warnings = [], []
     if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
         errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): torch_npu "
                       "refuses graph capture at level 2. Fix: export TASK_QUEUE_ENABLE=1, or set "
                       "rollout.enforce_eager=true")
-    if sleep_level == 2:
-        errors.append("rollout.sleep_level=2 on vLLM-Ascend: level 2 has produced constant wrong "
-                      "rewards there. Fix: rollout.sleep_level=1")
+    if env.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
+        errors.append(f"VLLM_ASCEND_ENABLE_NZ={env.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
+                      "vLLM-Ascend's NPUWorker.wake_up raises whenever the weight NZ mode is not 0, "
+                      "so the first weight sync would fail. Fix: export VLLM_ASCEND_ENABLE_NZ=0")
+    if temperature != 1.0 or top_p != 1.0:
+        errors.append(f"rollout.temperature={temperature}, rollout.top_p={top_p}: vLLM-Ascend's "
+                      "sampler returns the logprobs of the raw logits whatever logprobs_mode says, "
+                      "so the mismatch correction (grpo.is_correction) and logp_gap would compare "
+                      "the wrong distributions. Fix: rollout.temperature=1.0 and rollout.top_p=1.0")
     if "expandable_segments:true" in env.get("PYTORCH_NPU_ALLOC_CONF", "").replace(" ", "").lower():
         errors.append("PYTORCH_NPU_ALLOC_CONF has expandable_segments:True, which vLLM-Ascend's "
                       "sleep-mode memory pool rejects. Fix: unset it or use "
                       "expandable_segments:False")
     vllm, ascend, npu = versions.get("vllm"), versions.get("vllm-ascend"), versions.get("torch-npu")
-    if ascend and ascend != "0.0.0" and vllm and _release(ascend) != _release(vllm):
+    if ascend and release(ascend) != (0, 0, 0) and vllm and release(ascend) != release(vllm):
+        want = ".".join(map(str, release(ascend)))
         errors.append(f"vllm {vllm} with vllm-ascend {ascend}: vLLM-Ascend X.Y.Z runs on vLLM X.Y.Z "
-                      f"only. Fix: pip install vllm=={_release(ascend)} (see requirements-npu.txt)")
-    stack = {"vllm": _release(vllm), "vllm-ascend": _release(ascend), "torch-npu": npu}
-    if not errors and stack not in TESTED_NPU_STACKS:
+                      f"only. Fix: install vllm {want} (scripts/setup_npu.sh)")
+    documented = any(release(vllm) == release(s["vllm"]) and release(ascend) == release(
+        s["vllm-ascend"]) and npu and Version(npu).public == s["torch-npu"] for s in TESTED_NPU_STACKS)
+    if not errors and not documented:
         tested = "; ".join(", ".join(f"{k} {v}" for k, v in s.items()) for s in TESTED_NPU_STACKS)
-        warnings.append(f"engine stack {stack} is outside the documented matrix ({tested}); "
-                        "install requirements-npu.txt if anything misbehaves")
+        warnings.append(f"engine stack vllm {vllm}, vllm-ascend {ascend}, torch-npu {npu} is "
+                        f"outside the documented matrix ({tested}); run scripts/setup_npu.sh if "
+                        "anything misbehaves")
+    if graph_mode:  # vLLM-Ascend RFC #16322 (open): captured graphs can keep stale weight pointers
+        warnings.append("!" * 12 + " rollout.enforce_eager=false: graph mode with live weight sync "
+                        "is not yet safe on vLLM-Ascend (graph replays have failed after weight "
+                        "updates; generations may use stale weights). Fix: rollout.enforce_eager="
+                        "true " + "!" * 12)
     if errors:
         raise ValueError("Ascend configuration:\n  " + "\n  ".join(errors))
     return warnings
 
 
-def check_platform(graph_mode: bool, sleep_level: int) -> None:
+def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> None:
     """Run the checks of the platform this process is on; warnings go to the log."""
     if npu_installed():
-        for line in check_ascend(graph_mode, sleep_level, dict(os.environ), installed_versions()):
+        for line in check_ascend(dict(os.environ), installed_versions(), graph_mode, temperature,
+                                 top_p):
             log.warning(line)
 
 
@@ -287,8 +416,8 @@ def kernel_path(mode: str):
     if mode not in ("auto", "fused", "reference", "off"):
         raise ValueError(f"model.fused_kernels='{mode}': use auto, fused, reference or off")
     if mode == "fused" and KERNELS is None and not npu_installed():
-        raise ValueError("model.fused_kernels=fused needs torch_npu. Fix: install "
-                         "requirements-npu.txt on an Ascend machine, or use auto/reference/off")
+        raise ValueError("model.fused_kernels=fused needs torch_npu. Fix: run scripts/setup_npu.sh "
+                         "on an Ascend machine, or use auto/reference/off")
     if mode == "auto":
         return "fused" if device_type() == "npu" else None
     return None if mode == "off" else mode

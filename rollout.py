@@ -39,13 +39,34 @@ class RolloutConfig:
     enable_prefix_caching: bool = True  # the G samples of one prompt share its KV
     enable_chunked_prefill: bool = True
     block_size: int = 0  # KV-cache block in tokens; 0 = the platform's default (128 on CPU)
-    sleep_level: int = 1  # 1 = offload weights, drop KV; level 2 is unsafe on vLLM-Ascend
+    sleep_level: int = 2  # 2 = drop weights and KV cache; 1 = also copy weights to host (SLEEP)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 512
     seed: int = 0  # per engine group: seed + index of the tensor-parallel group
     seed_per_step: bool = False  # seed every request from (seed, step): reproducible runs and
     #   bit-exact resume, but vLLM then samples with per-request generators (3x slower on CPU)
+
+
+# SLEEP: why level 2, the cheapest (no host copy of the weights, which every sync overwrites: ~7.6
+# GB of pinned memory per rank for a 7B model at TP=2, and its copies), is safe for the dense
+# models this trainer syncs on both platforms that can sleep. Read from source, not run on
+# hardware by this project (no accelerator lent to it yet):
+# - level 2 discards every engine tensor, buffers too, but the worker keeps the buffers (rotary
+#   cos/sin caches, which no checkpoint holds) on the host and writes them back at the next wake
+#   (vLLM 0.32 v1/worker/gpu_worker.py sleep/wake_up: after a wake that includes "weights";
+#   vLLM-Ascend 0.23 worker/worker.py NPUWorker.wake_up and vLLM 0.23: at the *first* wake,
+#   whatever its tags, which is why the wake order below is enforced);
+# - our sync then sends every checkpoint tensor, and the layerwise reload (vLLM 0.23 and 0.32,
+#   model_loader/reload/layerwise.py) loads each layer into fresh tensors, runs
+#   process_weights_after_loading and copies the result into the engine's storage: it never reads
+#   what the discarded memory held; layers with no checkpoint tensor keep theirs (the restored
+#   buffers);
+# - vLLM-Ascend's own CI runs level 2 with the external launcher, wake weights -> load -> wake
+#   KV (tests/e2e/pull_request/two_card/test_external_launcher.py, Qwen3, identical outputs).
+# Not covered: vLLM-Ascend 0.23 derives MLA models' rotary tables into module globals that are
+# not buffers (ops/rotary_embedding.py, _cos_cache/_sin_cache), which level 2 would lose: use
+# level 1 for DeepSeek-style (MLA) models.
 
 
 @dataclass
@@ -77,13 +98,14 @@ class Engine:
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
             # logprobs after temperature: what the trainer computes from logits / temperature
-            logprobs_mode="processed_logprobs", **memory, **extra)
+            logprobs_mode="processed_logprobs", **memory, **extra, **npu_ops.engine_kwargs())
         # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
         # the trainer's one line per step stays readable (raise it again here to debug)
         logging.getLogger("vllm").setLevel(logging.WARNING)
         quiet_rotary_reload_warning()
         self.asleep = False  # KV cache freed: no generate until wake(["kv_cache"])
         self.weights_awake = True
+        self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
                  seed: int | None = None) -> list[Sample]:
@@ -120,7 +142,9 @@ class Engine:
 
     def sleep(self) -> None:
         if self.can_sleep:
+            before = npu_ops.device_memory_used_gb()
             self.llm.sleep(level=self.cfg.sleep_level)
+            self._log_memory("sleep", before)
         self.asleep, self.weights_awake = True, False
 
     def wake(self, tags: list[str]) -> None:
@@ -129,9 +153,22 @@ class Engine:
             raise RuntimeError("wake the weights (and load them) before the KV cache: the KV "
                                "cache would take the memory the weights need")
         if self.can_sleep:
+            npu_ops.release_cached_memory()  # the trainer's cached blocks, before the engine maps
+            before = npu_ops.device_memory_used_gb()
             self.llm.wake_up(tags=tags)
+            self._log_memory("wake_" + "_".join(tags), before)
         self.weights_awake = self.weights_awake or "weights" in tags
         self.asleep = self.asleep and "kv_cache" not in tags
+
+    def _log_memory(self, event: str, before) -> None:
+        """Device memory in use before and after a sleep or wake: INFO the first time, DEBUG
+        after; the newest numbers stay in self.memory for the step's metrics."""
+        after = npu_ops.device_memory_used_gb()
+        if before is None or after is None:  # no device memory to speak of (CPU)
+            return
+        level = logging.DEBUG if event in self.memory else logging.INFO
+        log.log(level, "engine %s: device memory in use %.2f -> %.2f GiB", event, before, after)
+        self.memory[event] = (before, after)
 
     def shutdown(self) -> None:
         """Free the engine and vLLM's process groups. vLLM also destroys the default process

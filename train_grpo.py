@@ -38,11 +38,12 @@ import time
 import typing
 from dataclasses import dataclass, field
 
+import npu_ops  # first: it sets the Ascend environment before torch (and its backends) load
+
 import torch
 import torch.distributed as dist
 
 import fsdp_utils
-import npu_ops
 import rewards
 import rollout
 import tiny_task
@@ -246,7 +247,7 @@ def validate(cfg: Config, world_size: int) -> None:
         need(isinstance(getattr(torch, getattr(getattr(cfg, sec), key), None), torch.dtype),
              f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
     npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
-    npu_ops.check_platform(graph_mode=not r.enforce_eager, sleep_level=r.sleep_level)
+    npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
     if not cfg.data.tiny_task_dir:
         need(os.path.isfile(cfg.data.path), f"data.path='{cfg.data.path}' is not a file")
         need(not cfg.data.eval_path or os.path.isfile(cfg.data.eval_path),
@@ -585,7 +586,8 @@ def train(cfg: Config) -> dict:
     from transformers import AutoTokenizer
 
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
-    env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True)
+    env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
+                            tp_size=cfg.rollout.tp_size)
     rank, world = init_distributed()
     device = npu_ops.local_device()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -698,6 +700,8 @@ def train(cfg: Config) -> dict:
             metrics.update(step=step, grad_norm=grad_norm, lr=sched.get_last_lr()[0],
                            gen_rounds=rounds, sync_gb=sync["bytes"] / 2**30,
                            mem_peak_gb=npu_ops.memory_gb()["peak"])
+            for event, (before, after) in engine.memory.items():  # accelerators only
+                metrics.update({f"mem_{event}_before_gb": before, f"mem_{event}_after_gb": after})
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 metrics["eval_reward"] = evaluate(engine, actor, eval_examples, reward_fn, tokenizer,
                                                   engine_idx, n_engines)

@@ -100,7 +100,9 @@ def test_npu_configs_are_consistent(path, tmp_path):
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     cfg = load_config(path, [f"--data.path={data}", "--model.fused_kernels=reference"])
     validate(cfg, world_size=8)
-    assert cfg.rollout.sleep_level == 1 and cfg.model.reshard_after_forward
+    assert cfg.rollout.sleep_level == 2 and cfg.model.reshard_after_forward
+    assert cfg.rollout.enforce_eager  # graph mode with live weight sync is unsafe on vLLM-Ascend
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0  # see test below
 
 
 def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
@@ -112,7 +114,29 @@ def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
     monkeypatch.setattr(npu_ops, "installed_versions",
                         lambda: {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"})
     monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     cfg = load_config("configs/tiny_cpu.yaml", ["--rollout.enforce_eager=false"])
     with pytest.raises(ValueError, match="TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false"):
         validate(cfg, 2)
     validate(load_config("configs/tiny_cpu.yaml"), 2)  # eager mode: level 2 is fine
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=1: .*wake_up raises"):
+        validate(load_config("configs/tiny_cpu.yaml"), 2)
+
+
+@pytest.mark.parametrize("override", ["--rollout.temperature=0.7", "--rollout.top_p=0.9"])
+def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override):
+    """vLLM-Ascend returns raw-logit logprobs: temperature != 1 or top_p < 1 would make the
+    mismatch correction compare the wrong distributions, so validate() stops the run. Elsewhere
+    (vLLM's processed_logprobs) the same config is fine."""
+    import npu_ops
+
+    cfg = load_config("configs/tiny_cpu.yaml", [override])
+    validate(cfg, 2)  # CPU: vLLM honours logprobs_mode
+    monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
+    monkeypatch.setattr(npu_ops, "installed_versions",
+                        lambda: {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"})
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    with pytest.raises(ValueError, match=r"rollout.temperature=.*rollout.top_p=.*Fix: rollout."
+                                         r"temperature=1.0 and rollout.top_p=1.0"):
+        validate(cfg, 2)

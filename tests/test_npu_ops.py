@@ -3,6 +3,7 @@ environment, and the start-up checks. No NPU is used: the stand-in implements to
 documented signatures and layout rules in plain torch, written independently of npu_ops."""
 
 import copy
+import os
 import sys
 
 import pytest
@@ -128,46 +129,75 @@ def test_patch_refuses_other_architectures():
         npu_ops.patch_qwen(model, "reference")
 
 
-def test_ascend_env_defaults_and_user_override(monkeypatch):
+def test_ascend_env_defaults():
     eager = npu_ops.ascend_env_defaults(graph_mode=False, sleep_mode=True)
     assert eager == {"TASK_QUEUE_ENABLE": "2", "HCCL_OP_EXPANSION_MODE": "AIV",
                      "VLLM_ASCEND_ENABLE_NZ": "0", "CPU_AFFINITY_CONF": "1",
                      "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
     graph = npu_ops.ascend_env_defaults(graph_mode=True, sleep_mode=False)
     assert graph["TASK_QUEUE_ENABLE"] == "1" and "PYTORCH_NPU_ALLOC_CONF" not in graph
+    # MC2 (fused matmul + all-reduce): a tensor-parallel engine on A2 only
+    mc2 = "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"
+    assert npu_ops.ascend_env_defaults(tp_size=2, soc="A2")[mc2] == "1"
+    for tp, soc in ((1, "A2"), (2, "A3"), (2, None)):
+        assert mc2 not in npu_ops.ascend_env_defaults(tp_size=tp, soc=soc)
 
+
+def test_setup_env_defaults_and_user_override(monkeypatch):
     monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
-    for name in eager:
+    monkeypatch.setattr(npu_ops, "ascend_soc", lambda: "A2")
+    for name in npu_ops.ASCEND_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AI_CPU")  # the user's value wins
-    report = npu_ops.setup_env(graph_mode=False, sleep_mode=True)
-    import os
-
+    report = npu_ops.setup_env(graph_mode=False, sleep_mode=True, tp_size=2)
     assert os.environ["HCCL_OP_EXPANSION_MODE"] == "AI_CPU"
     assert report["HCCL_OP_EXPANSION_MODE"] == ("AI_CPU", "user")
     assert os.environ["TASK_QUEUE_ENABLE"] == "2" and report["TASK_QUEUE_ENABLE"] == ("2", "default")
-    assert set(report) == set(eager)
+    assert report["VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"] == ("1", "default")
+    assert set(report) == set(npu_ops.ASCEND_ENV)
 
 
-DOCUMENTED = {"vllm": "0.23.0", "vllm-ascend": "0.23.0.post1", "torch-npu": "2.10.0.post4"}
+@pytest.mark.parametrize("version, numbers", [
+    ("0.23.0", (0, 23, 0)), ("0.23.0+empty", (0, 23, 0)), ("0.23.0.post1", (0, 23, 0)),
+    ("0.23.0rc1", (0, 23, 0)), ("0.23.0rc1+empty", (0, 23, 0)), ("0.23.1", (0, 23, 1)),
+    ("2.10.0.post4", (2, 10, 0)), (None, None)])
+def test_release_numbers(version, numbers):
+    assert npu_ops.release(version) == numbers
+
+
+DOCUMENTED = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
+ENV = {"VLLM_ASCEND_ENABLE_NZ": "0"}  # what setup_env sets
+
+
+@pytest.mark.parametrize("versions", [
+    {**DOCUMENTED, "vllm": "0.23.0+empty"},  # vLLM-Ascend's image builds vLLM with target "empty"
+    {**DOCUMENTED, "vllm-ascend": "0.23.0.post1"},
+    {**DOCUMENTED, "vllm": "0.23.0rc1", "vllm-ascend": "0.23.0rc1"},
+    {**DOCUMENTED, "torch-npu": "2.10.0.post4+git1a2b3c"}])
+def test_ascend_checks_accept_every_form_of_the_documented_stack(versions):
+    assert npu_ops.check_ascend(ENV, versions) == []
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(graph_mode=True, env={"TASK_QUEUE_ENABLE": "2"}), "TASK_QUEUE_ENABLE=2 with rollout"),
-    (dict(sleep_level=2), "rollout.sleep_level=2 on vLLM-Ascend"),
-    (dict(env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}), "expandable_segments:True"),
-    (dict(versions={**DOCUMENTED, "vllm": "0.24.0"}), "vllm 0.24.0 with vllm-ascend 0.23.0.post1"),
+    (dict(graph_mode=True, env={**ENV, "TASK_QUEUE_ENABLE": "2"}), "TASK_QUEUE_ENABLE=2 with rollout"),
+    (dict(env={"VLLM_ASCEND_ENABLE_NZ": "1"}), "VLLM_ASCEND_ENABLE_NZ=1: vLLM-Ascend's NPUWorker.wake_up"),
+    (dict(env={}), r"VLLM_ASCEND_ENABLE_NZ=1 \(unset\)"),  # vLLM-Ascend's own default is 1
+    (dict(temperature=0.7), "rollout.temperature=0.7, rollout.top_p=1.0: vLLM-Ascend's sampler"),
+    (dict(top_p=0.95), "rollout.top_p=0.95"),
+    (dict(env={**ENV, "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}), "expandable_segments"),
+    (dict(versions={**DOCUMENTED, "vllm": "0.24.0+empty"}), r"vllm 0.24.0\+empty with vllm-ascend 0.23.0"),
 ])
 def test_ascend_checks_fail_fast(kwargs, message):
-    args = {"graph_mode": False, "sleep_level": 1, "env": {}, "versions": DOCUMENTED, **kwargs}
+    args = {"env": ENV, "versions": DOCUMENTED, **kwargs}
     with pytest.raises(ValueError, match=message):
         npu_ops.check_ascend(**args)
 
 
-def test_ascend_checks_pass_and_warn():
-    assert npu_ops.check_ascend(True, 1, {"TASK_QUEUE_ENABLE": "1"}, DOCUMENTED) == []
-    warnings = npu_ops.check_ascend(False, 1, {}, {**DOCUMENTED, "torch-npu": "2.9.0"})
+def test_ascend_checks_warn():
+    warnings = npu_ops.check_ascend(ENV, {**DOCUMENTED, "torch-npu": "2.9.0"})
     assert len(warnings) == 1 and "outside the documented matrix" in warnings[0]
+    warnings = npu_ops.check_ascend({**ENV, "TASK_QUEUE_ENABLE": "1"}, DOCUMENTED, graph_mode=True)
+    assert len(warnings) == 1 and "graph mode with live weight sync is not yet safe" in warnings[0]
 
 
 def test_setup_env_cpu_sets_one_thread(monkeypatch):
@@ -175,3 +205,136 @@ def test_setup_env_cpu_sets_one_thread(monkeypatch):
     report = npu_ops.setup_env()
     assert report == {"OMP_NUM_THREADS": ("1", "default")} and torch.get_num_threads() == 1
     assert "torch_npu" not in sys.modules  # nothing imported the NPU runtime on the way
+
+
+class StandInDeviceModule:
+    """torch.npu's memory functions, with known numbers."""
+
+    def memory_allocated(self):
+        return 3 * 2**30
+
+    def memory_reserved(self):
+        return 5 * 2**30
+
+    def max_memory_allocated(self):
+        return 4 * 2**30
+
+    def mem_get_info(self):
+        return 10 * 2**30, 64 * 2**30  # free, total
+
+    def empty_cache(self):
+        self.emptied = True
+
+
+def test_memory_comes_from_the_device_module(monkeypatch):
+    """torch.accelerator's memory functions do not reach torch_npu 2.10's allocator: the memory
+    metrics and the cache release must use torch.npu's own."""
+    fake = StandInDeviceModule()
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("torch.accelerator does not reach torch_npu's allocator")
+
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "empty_cache"):
+        monkeypatch.setattr(torch.accelerator, name, unreachable, raising=False)
+    assert npu_ops.memory_gb() == {"allocated": 3.0, "reserved": 5.0, "peak": 4.0}
+    assert npu_ops.device_memory_used_gb() == 54.0
+    npu_ops.release_cached_memory()
+    assert fake.emptied
+
+
+def test_engine_kwargs_switch_off_vllm_ascend_cpu_binding(monkeypatch):
+    assert npu_ops.engine_kwargs() == {}  # CPU
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    assert npu_ops.engine_kwargs() == {"additional_config": {"enable_cpu_binding": False}}
+
+
+STANDIN_TORCH_NPU = """
+# A stand-in torch_npu: torch's backend autoload imports it at the end of `import torch`, as it
+# does torch_npu (its `torch.backends` entry point). It records the environment it finds, and
+# overwrites TASK_QUEUE_ENABLE in an interactive session as torch_npu 2.10's import does.
+import json, os, sys
+names = {names!r}
+with open(os.environ["STANDIN_RECORD"], "w") as f:
+    json.dump({{n: os.environ.get(n) for n in names}}, f)
+if "ipykernel" in sys.modules:
+    os.environ["TASK_QUEUE_ENABLE"] = "0"
+
+def _autoload():
+    pass
+"""
+
+
+def run_with_standin(tmp_path, code, env=None):
+    """Run `code` in a fresh interpreter that has the stand-in torch_npu installed (a package plus
+    the dist-info whose entry point torch autoloads); return what the stand-in saw and stdout."""
+    import json
+    import subprocess
+
+    from conftest import ROOT
+
+    site = tmp_path / "site"
+    (site / "torch_npu").mkdir(parents=True, exist_ok=True)
+    (site / "torch_npu" / "__init__.py").write_text(
+        STANDIN_TORCH_NPU.format(names=list(npu_ops.ASCEND_ENV)))
+    info = site / "torch_npu-2.10.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.10.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+    record = tmp_path / "seen.json"
+    clean = {k: v for k, v in os.environ.items() if k not in npu_ops.ASCEND_ENV}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**clean, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
+                              "STANDIN_RECORD": str(record), **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return json.loads(record.read_text()), out.stdout
+
+
+def test_ascend_env_is_set_before_torch_npu_loads(tmp_path):
+    # the control: torch alone loads the stand-in, which then sees none of our variables
+    seen, _ = run_with_standin(tmp_path, "import torch")
+    assert seen == {name: None for name in npu_ops.ASCEND_ENV}
+    # importing the trainer sets them first; a user's value is kept and reported as the user's
+    code = ("import json, train_grpo, npu_ops\n"
+            "print(json.dumps(npu_ops.setup_env(graph_mode=False, sleep_mode=True)))")
+    seen, out = run_with_standin(tmp_path, code, {"HCCL_OP_EXPANSION_MODE": "AI_CPU"})
+    assert seen == {**npu_ops.ascend_env_defaults(), "HCCL_OP_EXPANSION_MODE": "AI_CPU",
+                    "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE": None}
+    import json
+
+    report = json.loads(out)
+    assert report["HCCL_OP_EXPANSION_MODE"] == ["AI_CPU", "user"]
+    assert report["TASK_QUEUE_ENABLE"] == ["2", "default"]
+
+
+def test_graph_mode_and_interactive_task_queue(tmp_path):
+    """TASK_QUEUE_ENABLE is read at the first operator, so graph mode can still lower it after
+    the import; in an interactive session torch_npu's 0 is kept and said to be torch_npu's."""
+    import json
+
+    code = ("import json, train_grpo, npu_ops\n"
+            "print(json.dumps(npu_ops.setup_env(graph_mode=True)))")
+    assert json.loads(run_with_standin(tmp_path, code)[1])["TASK_QUEUE_ENABLE"] == ["1", "default"]
+    code = "import sys, types; sys.modules['ipykernel'] = types.ModuleType('ipykernel')\n" + code
+    report = json.loads(run_with_standin(tmp_path, code)[1])
+    assert report["TASK_QUEUE_ENABLE"] == ["0", "torch_npu"]
+
+
+def test_npu_install_pins_agree():
+    """scripts/setup_npu.sh, requirements-npu.txt and the documented stack name one release."""
+    import re
+    import subprocess
+
+    from conftest import ROOT
+
+    script = open(os.path.join(ROOT, "scripts", "setup_npu.sh")).read()
+    assert subprocess.run(["bash", "-n", "scripts/setup_npu.sh"], cwd=ROOT).returncode == 0
+    var = dict(re.findall(r"^(VLLM_TAG|VLLM_ASCEND|TORCH|TORCH_NPU)=(\S+)", script, re.M))
+    pins = dict(re.findall(r"^([a-z-]+)==(\S+)", open(os.path.join(ROOT, "requirements-npu.txt"))
+                           .read(), re.M))
+    stack = npu_ops.TESTED_NPU_STACKS[0]
+    assert var["VLLM_TAG"] == "v" + stack["vllm"] and "vllm" not in pins  # vllm: from its tag
+    assert var["VLLM_ASCEND"] == pins["vllm-ascend"] == stack["vllm-ascend"]
+    assert var["TORCH_NPU"] == pins["torch-npu"] == stack["torch-npu"]
+    assert var["TORCH"] == pins["torch"]

@@ -73,8 +73,8 @@ def engine_with(fake):
     import rollout
 
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
-    engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(sleep_level=1), True, fake
-    engine.asleep, engine.weights_awake = False, True
+    engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(), True, fake
+    engine.asleep, engine.weights_awake, engine.memory = False, True, {}
     return engine
 
 
@@ -93,8 +93,31 @@ def test_engine_guards_the_wake_order():
     engine.wake(["kv_cache"])
     assert not engine.asleep and fake.loaded == ["a", "b"]
     # the prefix cache is dropped right after the load, before anything can generate
-    assert fake.calls == [("sleep", 1), ("wake_up", ("weights",)), ("collective_rpc",),
+    # level 2 by default: the worker restores buffers at the first wake, which must be "weights"
+    assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",),
                           ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+
+
+def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
+    """vLLM-Ascend maps the engine's memory at wake-up without emptying torch_npu's cache: the
+    engine does it first, on every platform that sleeps, and records device memory around each
+    sleep and wake."""
+    import npu_ops
+
+    fake = FakeLLM()
+    used = iter(range(100))
+    monkeypatch.setattr(npu_ops, "release_cached_memory", lambda: fake.calls.append(("release",)))
+    monkeypatch.setattr(npu_ops, "device_memory_used_gb", lambda: float(next(used)))
+    engine = engine_with(fake)
+    engine.sleep()
+    engine.wake(["weights"])
+    engine.load_weights(iter([("a", torch.zeros(1))]))
+    engine.wake(["kv_cache"])
+    assert [c for c in fake.calls if c[0] != "collective_rpc" and c[0] != "reset_prefix_cache"] == [
+        ("sleep", 2), ("release",), ("wake_up", ("weights",)), ("release",),
+        ("wake_up", ("kv_cache",))]
+    assert engine.memory == {"sleep": (0.0, 1.0), "wake_weights": (2.0, 3.0),
+                             "wake_kv_cache": (4.0, 5.0)}
 
 
 def test_only_the_rotary_reload_warning_is_dropped():
