@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from train_grpo import Config, load_config, validate
+from config import validate
+from train_grpo import Config, load_config
 
 
 def write(tmp_path, text):

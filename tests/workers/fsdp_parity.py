@@ -1,4 +1,4 @@
-"""2 ranks: FSDP2-sharded GRPO updates (train_grpo.policy_update) equal unsharded updates.
+"""2 ranks: FSDP2-sharded GRPO updates (grpo.accumulate_gradients) equal unsharded updates.
 
 The reference is an unsharded HF model on every rank; its gradient over the whole global batch
 comes from a per-sequence loop written independently of the trainer:
@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 from rollout import Sample
-from train_grpo import Config, accumulate_gradients, init_distributed
+from grpo import accumulate_gradients
+from train_grpo import Config, init_distributed
 
 model_dir, reshard, ckpt = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 rank, world = init_distributed()
@@ -47,7 +48,8 @@ for step in range(3):
         samples.append(Sample(p.tolist(), r.tolist(), [0.0] * len(r), False))
     adv = torch.randn(8, generator=g)
     mine = list(range(rank, 8, world))
-    accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg, 0, "cpu")
+    accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg.grpo, 0,
+                         "cpu", cfg.rollout.temperature, cfg.rollout.max_new_tokens)
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}  # before clip
     norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
     clipped = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}

@@ -1,4 +1,4 @@
-"""2 ranks: the first optimizer step of train_grpo.train_on_rollout takes the REINFORCE gradient.
+"""2 ranks: the first optimizer step of grpo.train_on_rollout takes the REINFORCE gradient.
 
 With no mismatch correction, the first update of a rollout sees ratio 1 (on-policy, or old_logp
 recomputed by the same weights), so its gradient must equal that of
@@ -19,9 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 import fsdp_utils
-import train_grpo
+import grpo
 from rollout import Sample
-from train_grpo import LOSS_AGGS, Config, init_distributed, split_mini_batches, train_on_rollout
+from grpo import LOSS_AGGS, split_mini_batches
+from train_grpo import Config, init_distributed
 
 model_dir = sys.argv[1]
 rank, world = init_distributed()
@@ -32,6 +33,8 @@ cfg.grpo.micro_batch_tokens = 16  # several micro-batches, unequal counts across
 cfg.grpo.is_correction = "none"
 cfg.optim.grad_clip = 0.0  # the recorded gradient is the raw one
 cfg.rollout.max_new_tokens = 12
+update_args = dict(pad_id=0, device="cpu", temperature=cfg.rollout.temperature,
+                   max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip)
 mesh = init_device_mesh("cpu", (world,))
 actor = fsdp_utils.build_actor(cfg.model, mesh)
 ref_model = fsdp_utils.build_actor(cfg.model, mesh, reference=True)
@@ -53,7 +56,8 @@ def hf_logp(s):
 
 
 # the reference: FSDP2, frozen, parked off the accelerator; same logprobs as the HF model
-ref_lp = train_grpo.sample_logprobs(ref_model, [samples[i] for i in mine], cfg, 0, "cpu")
+ref_lp = grpo.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
+                              cfg.rollout.temperature)
 with torch.no_grad():
     for i, lp in zip(mine, ref_lp):
         assert torch.allclose(lp, hf_logp(samples[i]), atol=1e-5), i
@@ -74,7 +78,7 @@ class FirstStep:
 
 
 recomputed = []
-real_sample_logprobs = train_grpo.sample_logprobs
+real_sample_logprobs = grpo.sample_logprobs
 
 
 def counting_sample_logprobs(model, *args):
@@ -82,7 +86,7 @@ def counting_sample_logprobs(model, *args):
     return real_sample_logprobs(model, *args)
 
 
-train_grpo.sample_logprobs = counting_sample_logprobs
+grpo.sample_logprobs = counting_sample_logprobs
 
 cases = [(agg, epochs, epochs, 0.0, "k3") for epochs in (1, 2) for agg in LOSS_AGGS]
 cases += [("seq_mean", 1, 1, 0.5, "k1"), ("token_mean", 2, 3, 0.5, "k3")]
@@ -90,8 +94,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
     cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = agg, epochs, n_mb
     cfg.grpo.kl_coef, cfg.grpo.kl_estimator = kl_coef, est
     opt, recomputed[:] = FirstStep(), []
-    train_on_rollout(actor, ref_model if kl_coef else None, opt, [samples[i] for i in mine],
-                     adv[mine], cfg, 0, "cpu", seed=7)
+    grpo.train_on_rollout(actor, ref_model if kl_coef else None, opt, [samples[i] for i in mine],
+                          adv[mine], cfg.grpo, seed=7, **update_args)
     assert len(opt.grads) == epochs * n_mb
     on_policy = epochs == 1 and n_mb == 1
     assert (actor in recomputed) == (not on_policy), (agg, epochs, n_mb)
@@ -124,7 +128,7 @@ for agg, epochs, n_mb, kl_coef, est in cases:
 # Several real updates per rollout (PPO): every step's gradient equals that of the clipped
 # surrogate on an unsharded model trained alongside with the same splits, ratios taken against
 # the logprobs from before the first step.
-train_grpo.sample_logprobs = real_sample_logprobs
+grpo.sample_logprobs = real_sample_logprobs
 cfg.grpo.loss_agg, cfg.grpo.kl_coef = "token_mean", 0.0
 cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = 2, 2
 cfg.grpo.clip_low, cfg.grpo.clip_high = 0.1, 0.15
@@ -137,8 +141,8 @@ class Recording(torch.optim.AdamW):
         return super().step()
 
 
-train_on_rollout(actor, None, Recording(actor.parameters(), lr=3e-3), [samples[i] for i in mine],
-                 adv[mine], cfg, 0, "cpu", seed=11)
+grpo.train_on_rollout(actor, None, Recording(actor.parameters(), lr=3e-3),
+                      [samples[i] for i in mine], adv[mine], cfg.grpo, seed=11, **update_args)
 hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-3)
 with torch.no_grad():
     old = {i: hf_logp(samples[i]) for i in range(12)}

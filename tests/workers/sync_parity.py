@@ -20,7 +20,8 @@ import fsdp_utils
 import npu_ops
 import rollout
 import weight_sync
-from train_grpo import init_distributed, token_logprobs
+from grpo import token_logprobs
+from train_grpo import init_distributed
 
 model_dir, tp = sys.argv[1], int(sys.argv[2])
 npu_ops.setup_env()

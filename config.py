@@ -1,0 +1,154 @@
+"""Config plumbing: YAML file and `--section.key=value` overrides into a dataclass tree, and the
+checks that need no model.
+
+The tree itself is train_grpo.Config (one dataclass per YAML section, each defined next to the
+code that uses it). Precedence: command line > file > defaults. Values are coerced to the field's
+type (PyYAML reads 1e-6 as a string); an unknown section or key raises with the closest valid
+name; `validate` checks the cross-section constraints before anything loads.
+"""
+
+import dataclasses
+import difflib
+import os
+import typing
+
+import torch
+
+import grpo
+import npu_ops
+import rewards
+
+
+def _closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(where: str, value, typ):
+    """Convert a YAML or command-line value to the field's type, or fail naming the field."""
+    try:
+        if typ is bool:
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value else int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)  # PyYAML reads 1e-6 as a string
+        if typ is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"config {where}: expected {typ.__name__}, got {value!r}")
+
+
+def load(tree: type, path: str | None = None, overrides: list[str] = ()):
+    """An instance of the dataclass `tree` (one field per section): defaults < YAML file <
+    `--section.key=value` overrides. Unknown keys and bad types raise."""
+    import yaml
+
+    raw = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config {path}: expected sections (model:, optim:, ...) at top level")
+    pairs = [(f"{sec}.{key}", val) for sec, body in raw.items()
+             for key, val in (body.items() if isinstance(body, dict) else [(None, body)])]
+    args = list(overrides)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--") or "." not in arg:
+            raise ValueError(f"bad override {arg!r}: use --section.key=value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            if not args:
+                raise ValueError(f"override {arg} has no value")
+            val = args.pop(0)
+        pairs.append((key, val))
+
+    cfg = tree()
+    sections = {f.name: f for f in dataclasses.fields(tree)}
+    for dotted, val in pairs:
+        sec, _, key = dotted.partition(".")
+        if sec not in sections:
+            raise ValueError(f"unknown config section '{sec}'{_closest(sec, sections)}")
+        if not key or key == "None":
+            raise ValueError(f"config section '{sec}' must be a mapping of keys to values")
+        section = getattr(cfg, sec)
+        hints = typing.get_type_hints(type(section))
+        if key not in hints:
+            valid = [f"{sec}.{k}" for k in hints]
+            raise ValueError(f"unknown config key '{dotted}'{_closest(dotted, valid)}")
+        setattr(section, key, _coerce(dotted, val, hints[key]))
+    return cfg
+
+
+def validate(cfg, world_size: int) -> None:
+    """Checks that need no model: fail in a second, not after minutes of loading."""
+    r, g = cfg.rollout, cfg.grpo
+
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(f"config: {msg}")
+
+    need(r.tp_size >= 1 and world_size % r.tp_size == 0,
+         f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
+    engines = world_size // r.tp_size
+    need(g.group_size >= 2, f"grpo.group_size={g.group_size}: needs >= 2 to form an advantage")
+    need(g.prompts_per_step % engines == 0,
+         f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of engine "
+         f"groups (world {world_size} / rollout.tp_size {r.tp_size} = {engines})")
+    need(g.prompts_per_step // engines * g.group_size % r.tp_size == 0,
+         "the samples of one engine group (prompts_per_step / engines * group_size) must split "
+         f"evenly over its {r.tp_size} tensor-parallel ranks")
+    need(r.max_new_tokens < r.max_model_len,
+         f"rollout.max_new_tokens={r.max_new_tokens} must be below rollout.max_model_len")
+    need(cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
+         f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
+         f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
+    need(cfg.data.reward in rewards.REWARDS,
+         f"data.reward='{cfg.data.reward}' is not one of {sorted(rewards.REWARDS)}")
+    per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
+    for key, options in (("loss_agg", grpo.LOSS_AGGS), ("kl_estimator", ("k1", "k2", "k3")),
+                         ("is_correction", ("none", "tis", "seq_mask")),
+                         ("overlong", ("none", "mask", "penalty"))):
+        need(getattr(g, key) in options, f"grpo.{key}='{getattr(g, key)}': use one of {options}")
+    need(0 <= g.clip_low < 1 and g.clip_high >= 0,
+         f"grpo.clip_low={g.clip_low} must be in [0, 1) and grpo.clip_high={g.clip_high} >= 0")
+    need(g.ppo_epochs >= 1 and 1 <= g.mini_batches <= per_rank,
+         f"grpo.ppo_epochs={g.ppo_epochs} must be >= 1 and grpo.mini_batches={g.mini_batches} "
+         f"between 1 and the samples per rank ({per_rank})")
+    need(g.kl_coef >= 0, f"grpo.kl_coef={g.kl_coef} must be >= 0 (0 turns the KL term off)")
+    need(g.is_cap > 1, f"grpo.is_cap={g.is_cap} must be > 1")
+    need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
+         f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs grpo.dynamic_sampling=true")
+    need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
+         f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
+         f"({r.max_new_tokens}); got {g.overlong_buffer}")
+    need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
+    need(cfg.optim.schedule in ("constant", "cosine"),
+         f"optim.schedule='{cfg.optim.schedule}': use constant or cosine")
+    need(cfg.optim.lr > 0 and cfg.train.steps >= 1, "optim.lr and train.steps must be positive")
+    for name in ("model.param_dtype", "model.reduce_dtype", "rollout.dtype"):
+        sec, key = name.split(".")
+        need(isinstance(getattr(torch, getattr(getattr(cfg, sec), key), None), torch.dtype),
+             f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
+    npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
+    npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
+    if not cfg.data.tiny_task_dir:
+        need(os.path.isfile(cfg.data.path), f"data.path='{cfg.data.path}' is not a file")
+        need(not cfg.data.eval_path or os.path.isfile(cfg.data.eval_path),
+             f"data.eval_path='{cfg.data.eval_path}' is not a file")
+        need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
+             f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")
