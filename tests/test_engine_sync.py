@@ -12,3 +12,8 @@ def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
     out = launch(["tests/workers/sync_parity.py", tiny_models[arch], str(tp)])
     assert out.count("SYNC_PARITY_OK") == 2, out[-3000:]
     assert out.count("== HF") == 6
+
+
+def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
+    out = launch(["tests/workers/export_parity.py", tiny_models["qwen2"], str(tmp_path / "export")])
+    assert out.count("EXPORT_PARITY_OK") == 2, out[-3000:]

@@ -1,11 +1,17 @@
 """A crashed run resumed from its checkpoint continues exactly like an uninterrupted run."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch
+import fsdp_utils
+from conftest import ROOT, free_port, launch
 
 
 def rows(path):
@@ -33,3 +39,38 @@ def test_resume_matches_uninterrupted_run(tiny_task_dir, tmp_path):
     assert wa.keys() == wb.keys()
     for name in wa:
         assert torch.allclose(wa[name], wb[name], atol=1e-6, rtol=0), name
+
+
+def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
+    """A run killed with SIGKILL while writing its step-4 checkpoint leaves step 2's complete,
+    and --train.resume=true continues from it."""
+    out, marker = tmp_path / "run", tmp_path / "waiting"
+    common = ["--config", "configs/tiny_cpu.yaml", f"--data.tiny_task_dir={tiny_task_dir}",
+              "--log.eval_every=0", "--grpo.prompts_per_step=16", "--log.save_every=2",
+              f"--log.out_dir={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", "tests/workers/kill_in_checkpoint.py", str(marker), "4",
+           *common, "--train.steps=6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with open(tmp_path / "log", "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: torchrun and its ranks
+        deadline = time.time() + 600
+        while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
+            assert proc.poll() is None, open(tmp_path / "log").read()[-4000:]
+            assert time.time() < deadline, "the step-4 checkpoint was never reached"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    ckpts = out / "checkpoints"
+    assert (ckpts / "step_000004.tmp").is_dir()  # the write really was cut short
+    assert not (ckpts / "step_000004").exists()
+    assert fsdp_utils.latest_checkpoint(str(out)) == str(ckpts / "step_000002")
+
+    resumed = launch(["train_grpo.py", *common, "--train.steps=5", "--train.resume=true"])
+    assert "continuing after step 2" in resumed
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert fsdp_utils.complete_checkpoints(str(out)) == [str(ckpts / "step_000002"),
+                                                         str(ckpts / "step_000004")]
+    assert not (ckpts / "step_000004.tmp").exists()  # the crashed write was cleared
+    assert (out / "final" / "model.safetensors").exists()
