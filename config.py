@@ -7,6 +7,7 @@ type (PyYAML reads 1e-6 as a string); an unknown section or key raises with the 
 name; `validate` checks the cross-section constraints before anything loads.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -19,8 +20,31 @@ import npu_ops
 import rewards
 
 
+class BadInput(ValueError):
+    """The user's config, data or reward plugin is wrong, found before any model loads. main()
+    prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError like any."""
+
+
+@contextlib.contextmanager
+def bad_input():
+    """A ValueError or FileNotFoundError raised inside is about the user's input: re-raised as
+    BadInput."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise BadInput(str(e)) from e
+
+
 def _closest(name: str, options) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    """" (did you mean 'x'?)" for the likeliest meant option: one whose name is the initials of
+    the unknown one's words (learning_rate -> lr), else the closest spelling."""
+    options = list(options)
+    prefix, _, last = name.rpartition(".")
+    initials = "".join(w[0] for w in last.split("_") if w)
+    match = [o for o in options if len(initials) > 1 and o == f"{prefix}.{initials}".lstrip(".")]
+    match = match or difflib.get_close_matches(name, options, n=1, cutoff=0.0)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
@@ -45,9 +69,12 @@ def _coerce(where: str, value, typ):
             if isinstance(value, (dict, list)):
                 raise ValueError
             return str(value)
+        if typing.get_origin(typ) is list:  # a YAML list, or "a,b" on the command line
+            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+            return [_coerce(where, item, typing.get_args(typ)[0]) for item in items]
     except (TypeError, ValueError):
         pass
-    raise ValueError(f"config {where}: expected {typ.__name__}, got {value!r}")
+    raise ValueError(f"config {where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
 
 
 def load(tree: type, path: str | None = None, overrides: list[str] = ()):
@@ -58,9 +85,17 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
     raw = {}
     if path is not None:
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}")
+            raise FileNotFoundError(f"config file not found: {path}. Fix: give the path of a "
+                                    "YAML file, e.g. --config configs/tiny_cpu.yaml")
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:  # one line: where and what, not the parser's traceback
+                mark = getattr(e, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise ValueError(f"config {path}:{where}: not valid YAML ({problem}). Fix the "
+                                 "file there (indentation, a missing ':' or quote)") from None
         if not isinstance(raw, dict):
             raise ValueError(f"config {path}: expected sections (model:, optim:, ...) at top level")
     pairs = [(f"{sec}.{key}", val) for sec, body in raw.items()
@@ -117,8 +152,6 @@ def validate(cfg, world_size: int) -> None:
     need(cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
          f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
-    need(cfg.data.reward in rewards.REWARDS,
-         f"data.reward='{cfg.data.reward}' is not one of {sorted(rewards.REWARDS)}")
     per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
     for key, options in (("loss_agg", grpo.LOSS_AGGS), ("kl_estimator", ("k1", "k2", "k3")),
                          ("is_correction", ("none", "tis", "seq_mask")),
@@ -146,9 +179,20 @@ def validate(cfg, world_size: int) -> None:
              f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
     npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
     npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
-    if not cfg.data.tiny_task_dir:
-        need(os.path.isfile(cfg.data.path), f"data.path='{cfg.data.path}' is not a file")
-        need(not cfg.data.eval_path or os.path.isfile(cfg.data.eval_path),
-             f"data.eval_path='{cfg.data.eval_path}' is not a file")
+    rewards.validate(cfg.reward)  # every reward function resolves, in this process
+    if not cfg.data.tiny_task_dir:  # data sources are checked when they load (data.py)
         need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
              f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")
+        need(not os.path.isdir(cfg.model.path)
+             or os.path.isfile(os.path.join(cfg.model.path, "config.json")),
+             f"model.path='{cfg.model.path}' has no config.json: not a Hugging Face model "
+             "directory. Fix: point model.path at the directory with config.json and the weights")
+    out = os.path.abspath(cfg.log.out_dir)
+    need(not os.path.exists(out) or os.path.isdir(out),
+         f"log.out_dir='{cfg.log.out_dir}' is a file. Fix: give a directory path")
+    existing = out
+    while not os.path.exists(existing):  # the nearest ancestor that exists must take new files
+        existing = os.path.dirname(existing)
+    need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+         f"log.out_dir='{cfg.log.out_dir}' cannot be written ({existing} is not a writable "
+         "directory). Fix: choose a directory you can write")

@@ -54,7 +54,7 @@ def main():
             continue
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         mean = lambda key, part: sum(r.get(key, 0.0) for r in part) / len(part)  # noqa: E731
-        evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+        evals = [r["eval_pass1"] for r in rows if "eval_pass1" in r]
         print(f"{name:<11} {mean('reward_mean', rows[:10]):8.3f} "
               f"{mean('reward_mean', rows[-10:]):7.3f} {evals[-1] if evals else float('nan'):6.3f} "
               f"{mean('kl', rows[-10:]):7.4f} {mean('clip_frac', rows[-10:]):6.3f} "

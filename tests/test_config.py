@@ -62,7 +62,8 @@ def test_shipped_config_loads():
     ("--rollout.tp_size=3", 2, "rollout.tp_size=3 must divide the world size 2"),
     ("--grpo.prompts_per_step=3", 2, "grpo.prompts_per_step=3 must be a multiple"),
     ("--grpo.group_size=1", 1, "grpo.group_size=1"),
-    ("--data.reward=nope", 1, "data.reward='nope' is not one of"),
+    ("--reward.funcs=nope", 1, "reward.funcs: 'nope'"),
+    ("--reward.funcs=math,format --reward.weights=1.0", 1, "reward.weights"),
     ("--rollout.max_new_tokens=100", 1, "rollout.max_new_tokens=100 must be below"),
     ("--rollout.dtype=float33", 1, "rollout.dtype='float33' is not a torch dtype"),
     ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
@@ -82,28 +83,54 @@ def test_shipped_config_loads():
     ("--grpo.overlong=penalty", 1, "grpo.overlong=penalty needs 0 < grpo.overlong_buffer"),
 ])
 def test_derived_constraints(override, world, message):
-    cfg = load_config("configs/tiny_cpu.yaml", [override])
+    cfg = load_config("configs/tiny_cpu.yaml", override.split())
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(cfg, world)
 
 
-def test_missing_data_and_model_paths():
-    cfg = load_config(None, ["--data.path=/nonexistent.jsonl"])
-    with pytest.raises(ValueError, match="data.path='/nonexistent.jsonl' is not a file"):
+def test_model_path_and_out_dir_are_checked_before_loading(tmp_path):
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    cfg = load_config(None, [f"--model.path={tmp_path / 'not_a_model'}"])
+    with pytest.raises(ValueError, match="has no config.json: not a Hugging Face model directory"):
+        validate(cfg, 1)
+    cfg = load_config("configs/tiny_cpu.yaml", [f"--log.out_dir={tmp_path / 'a_file'}"])
+    with pytest.raises(ValueError, match="log.out_dir=.* is a file"):
+        validate(cfg, 1)
+    cfg = load_config("configs/tiny_cpu.yaml", [f"--log.out_dir={tmp_path / 'a_file' / 'run'}"])
+    with pytest.raises(ValueError, match="log.out_dir=.* cannot be written"):
         validate(cfg, 1)
 
 
-@pytest.mark.parametrize("path", ["configs/qwen2.5-7b-gsm8k-npu8.yaml",
-                                  "configs/qwen3-8b-gsm8k-npu8.yaml"])
-def test_npu_configs_are_consistent(path, tmp_path):
-    """The shipped NPU configs load and pass the model-free checks for 8 ranks."""
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-    cfg = load_config(path, [f"--data.path={data}", "--model.fused_kernels=reference"])
-    validate(cfg, world_size=8)
-    assert cfg.rollout.sleep_level == 2 and cfg.model.reshard_after_forward
-    assert cfg.rollout.enforce_eager  # graph mode with live weight sync is unsafe on vLLM-Ascend
-    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0  # see test below
+def test_yaml_errors_and_close_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n optim:\n  lr: 1\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: line 3, column 2: not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match=r"did you mean 'optim.lr'"):
+        load_config(None, ["--optim.learning_rate=1e-6"])
+    cfg = load_config(None, ["--reward.funcs=math,format", "--reward.weights=1,0.1"])
+    assert cfg.reward.funcs == ["math", "format"] and cfg.reward.weights == [1.0, 0.1]
+
+
+@pytest.mark.parametrize("path, world", [
+    ("configs/qwen2.5-7b-gsm8k-npu8.yaml", 8), ("configs/qwen3-8b-gsm8k-npu8.yaml", 8),
+    ("configs/qwen2.5-7b-math-npu8.yaml", 8), ("configs/qwen2.5-0.5b-gsm8k-npu1.yaml", 1),
+    ("configs/qwen2.5-0.5b-gsm8k-cuda1.yaml", 1)])
+def test_shipped_accelerator_configs_are_consistent(path, world, tmp_path):
+    """The shipped configs load and pass the model-free checks at their world size; their data
+    section is a preset, their rewards resolve; the NPU ones hold what vLLM-Ascend needs."""
+    import data
+
+    cfg = load_config(path, ["--model.fused_kernels=reference", f"--log.out_dir={tmp_path}"])
+    validate(cfg, world_size=world)
+    assert cfg.data.preset in data.PRESETS and cfg.reward.funcs
+    assert cfg.rollout.sleep_level == 2 and cfg.rollout.temperature == 1.0
+    if "npu" in path:
+        assert cfg.rollout.enforce_eager  # graph mode with live weight sync is unsafe on vLLM-Ascend
+        assert cfg.rollout.top_p == 1.0  # see test below
+    if world == 8:
+        assert cfg.model.reshard_after_forward  # ZeRO-3 at 7B and up
 
 
 def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
@@ -141,3 +168,39 @@ def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override
     with pytest.raises(ValueError, match=r"rollout.temperature=.*rollout.top_p=.*Fix: rollout."
                                          r"temperature=1.0 and rollout.top_p=1.0"):
         validate(cfg, 2)
+
+
+@pytest.mark.parametrize("case", ["yaml", "jsonl", "column", "out_dir", "reward"])
+def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
+    """As a user runs it (plain python, world size 1): exit code 2, one `error:` line naming the
+    field, no Python traceback, before any model loads."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("data:\n  path: x\n max_prompt_len: 3\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4,}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "file").write_text("x")
+    base = ["--config", "configs/tiny_cpu.yaml", f"--model.path={tiny_task_dir}/model",
+            "--data.tiny_task_dir=", f"--log.out_dir={tmp_path / 'run'}", "--log.eval_every=0"]
+    args, says = {
+        "yaml": (["--config", str(bad_yaml)], "bad.yaml: line 3, column 2: not valid YAML"),
+        "jsonl": (base + [f"--data.path={rows}"], "line 2 is not JSON"),
+        "column": (base + [f"--data.path={good}"], "data.prompt_key='prompt' is not a column"),
+        "out_dir": (base + [f"--data.path={good}", f"--log.out_dir={tmp_path / 'file'}"],
+                    "is a file"),
+        "reward": (base + [f"--data.path={good}", "--reward.funcs=nope:fn"], "reward.funcs"),
+    }[case]
+    out = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and says in errors[0], out.stderr[-3000:]
+    assert "Initializing a V1 LLM engine" not in out.stderr + out.stdout  # no model was loaded

@@ -45,6 +45,11 @@ def test_two_rank_run_learns(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["sync_time_s"] > 0 for r in rows)
 
     assert (out_dir / "config.yaml").exists() and (out_dir / "samples.jsonl").exists()
+    # the plot script draws this real run
+    png = out_dir / "metrics.png"
+    subprocess.run([sys.executable, "scripts/plot_metrics.py", str(out_dir / "metrics.jsonl"),
+                    "-o", str(png)], cwd=ROOT, check=True, capture_output=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     # the saved checkpoint is the trained model, loadable by plain transformers
     from transformers import AutoModelForCausalLM
 
@@ -100,3 +105,54 @@ def test_notebook_style_world_of_one(tiny_task_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "RESULT 3 " in proc.stdout
     assert len(open(tmp_path / "metrics.jsonl").readlines()) == 3
+
+
+def test_two_nodes_of_one_rank(tmp_path):
+    """`torchrun --nnodes 2` on localhost, one rank per node: both ranks have LOCAL_RANK=0, so
+    anything that took the local rank for the global one (file writes, the tiny task's creation,
+    engine groups) would clash here. From an empty task dir, 4 steps."""
+    from conftest import free_port
+
+    port, steps = free_port(), 4
+    args = ["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
+            f"--data.tiny_task_dir={tmp_path / 'task'}", f"--log.out_dir={tmp_path / 'run'}",
+            "--grpo.prompts_per_step=16", "--log.eval_every=2", "--log.save_every=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                               "--nproc_per_node=1", f"--node_rank={node}",
+                               "--master_addr=127.0.0.1", f"--master_port={port}", *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for node in (0, 1)]
+    outs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    assert f"step {steps}/{steps} | reward" in outs[0]  # rank 0 (node 0) prints the step lines
+    assert "| reward" not in outs[1]  # global rank 1 writes nothing, though its LOCAL_RANK is 0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one writer, no duplicate rows
+    assert "eval_pass1" in rows[1] and "eval_pass1" in rows[-1]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_000002", "step_000004"]
+    assert len(os.listdir(tmp_path / "run" / "checkpoints" / "step_000004")) >= 4  # 2 ranks' files
+
+
+def test_plugin_reward_trains(tiny_task_dir, tmp_path):
+    """A reward given as module:function in config (a module of the user's, not of this
+    repository) is what the run optimises: the tiny model learns from it alone."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def first_number_is_sum(completion, example):\n"
+        "    digits = ''\n"
+        "    for ch in completion.lstrip():\n"
+        "        if not ch.isdigit():\n"
+        "            break\n"
+        "        digits += ch\n"
+        "    return 1.0 if digits and digits == str(example['answer']) else 0.0\n")
+    steps, out_dir = 50, tmp_path / "run"
+    out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
+                  f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
+                  "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum"],
+                 timeout=900, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert f"step {steps}/{steps} | reward" in out
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > 2 * first and last > 0.1, (first, last)
+    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)

@@ -1,4 +1,8 @@
-"""The reward table, and a raising reward that must not end the run."""
+"""The reward tables, resolving and validating `reward.funcs`, and the Scorer: a reward that
+raises, hangs or kills its worker scores 0, is counted, and does not end the run."""
+
+import threading
+import time
 
 import pytest
 
@@ -32,14 +36,186 @@ def test_gsm8k_bad_reference_raises():
         rewards.gsm8k("#### 3", {"answer": "three"})
 
 
-def test_raising_reward_scores_zero_and_is_counted():
-    def flaky(completion, example):
-        if completion == "boom":
-            raise RuntimeError("reward server down")
-        return 1.0
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("so the answer is \\boxed{72}.", "72", 1.0),
+    ("She has 5, then \\boxed{72} and 9 more", "72", 1.0),  # \boxed wins over later numbers
+    ("The final answer is $\\boxed{\\dfrac{1}{2}}$", "0.5", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("She pays 3 * 24 = 72 dollars.\n#### 72", "Natalia sold 48/2 = 24 ... #### 72", 1.0),
+    ("#### 72\nI hope 5 is right", "72", 1.0),  # GSM8K: the line after #### is the answer
+    ("the total is 1,000", "1000", 1.0),
+    ("\\boxed{1000}", "1,000", 1.0),
+    ("x = \\boxed{-3}", "#### -3", 1.0),
+    ("The answer is $\\frac{1}{2}$.", "The answer is \\boxed{\\frac{1}{2}}.", 1.0),
+    ("\\boxed{73}", "72", 0.0),
+    ("#### 0.25", "\\frac{1}{2}", 0.0),
+    ("no answer here", "4", 0.0),
+    ("", "0", 0.0),
+])
+def test_math(completion, answer, expected):
+    assert rewards.math(completion, {"answer": answer}) == expected
 
-    scores, errors = rewards.score(flaky, ["a", "boom", "b", "boom"], [{}] * 4)
-    assert scores == [1.0, 0.0, 1.0, 0.0] and errors == 2
-    scores, errors = rewards.score(rewards.gsm8k, ["#### 3", "#### 3"],
-                                   [{"answer": "3"}, {"answer": "three"}])
-    assert scores == [1.0, 0.0] and errors == 1
+
+def test_math_works_outside_the_main_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(rewards.math("\\boxed{2}", {"answer": "2"})))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("so \\boxed{72}.", 1.0), ("\\boxed{\\frac{1}{2}}", 1.0), ("work\n#### 72", 1.0),
+    ("####72", 1.0), ("  #### x = 3", 1.0),
+    ("\\boxed{72", 0.0),  # unbalanced
+    ("\\boxed{\\frac{1}{2}", 0.0), ("\\boxed{}", 0.0), ("####", 0.0), ("#### \nthen 3", 0.0),
+    ("the answer is #### 72", 0.0),  # #### must start a line
+    ("the answer is 72", 0.0), ("", 0.0),
+])
+def test_format(completion, expected):
+    assert rewards.answer_format(completion, {}) == expected
+    assert rewards.REWARDS["format"] is rewards.answer_format
+
+
+PLUGIN = """
+import time
+
+def good(completion, example):
+    return float(completion == example["answer"])
+
+def half(completion, example):
+    return 0.5 if completion else 0.0
+
+def flaky(completion, example):
+    if completion == "boom":
+        raise RuntimeError("reward server down")
+    if completion == "nan":
+        return float("nan")
+    if completion == "str":
+        return "1.0"
+    return 1.0
+
+def hang(completion, example):
+    if completion == "hang":
+        time.sleep(3600)
+    return 1.0
+
+def crash(completion, example):
+    if completion == "crash":
+        import os
+        os._exit(3)
+    return 1.0
+
+def one_arg(x):
+    return 1.0
+
+not_a_function = 3
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """PLUGIN as the importable `my_reward_mod` (tmp_path on sys.path) and as my_reward.py."""
+    (tmp_path / "my_reward_mod.py").write_text(PLUGIN)
+    (tmp_path / "my_reward.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_resolve(plugin):
+    assert rewards.resolve("gsm8k") is rewards.gsm8k
+    assert rewards.resolve("format") is rewards.answer_format
+    fn = rewards.resolve("my_reward_mod:good")
+    assert fn("7", {"answer": "7"}) == 1.0 and fn("8", {"answer": "7"}) == 0.0
+    fn = rewards.resolve(f"{plugin / 'my_reward.py'}:good")
+    assert fn("7", {"answer": "7"}) == 1.0
+    assert rewards.resolve(f"{plugin / 'my_reward.py'}:good") is fn  # the file is loaded once
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("nope", "not a built-in reward (tiny_sum, gsm8k, math, format)"),
+    ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
+    ("no/such/file.py:fn", "file 'no/such/file.py' not found"),
+    ("my_reward_mod:missing", "'my_reward_mod' has no 'missing'"),
+    ("my_reward_mod:not_a_function", "is a int, not a function"),
+    ("my_reward_mod:one_arg", "cannot be called as fn(completion, example) (signature (x))"),
+])
+def test_resolve_errors_are_one_line_and_name_the_field(plugin, spec, says):
+    with pytest.raises(ValueError) as info:
+        rewards.resolve(spec)
+    msg = str(info.value)
+    assert msg.startswith("reward.funcs: ") and "\n" not in msg and "Fix: " in msg and says in msg
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"weights": [1.0]}, "reward.weights"), ({"funcs": []}, "reward.funcs"),
+    ({"funcs": ["nope"]}, "reward.funcs"), ({"funcs": ["math", "math"]}, "reward.funcs"),
+    ({"timeout_s": 0.0}, "reward.timeout_s"),
+])
+def test_validate_errors(kwargs, field):
+    cfg = rewards.RewardConfig(**{"funcs": ["math", "format"], **kwargs})
+    with pytest.raises(ValueError, match=f"^{field}: ") as info:
+        rewards.validate(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_validate_accepts_a_good_config():
+    rewards.validate(rewards.RewardConfig())
+    rewards.validate(rewards.RewardConfig(funcs=["math", "format"], weights=[1.0, 0.5]))
+
+
+def test_scorer_weighted_sum_errors_and_file_plugin(plugin):
+    texts = ["\\boxed{3}", "#### 4", "5", "boom", "nan", "str"]
+    examples = [{"answer": "3"}, {"answer": "5"}, {"answer": "5"}, {"answer": "1"},
+                {"answer": "1"}, {"answer": "1"}]
+    # by hand: math 1,0,1,0,0,0; format 1,1,0,0,0,0; flaky 1,1,1,err,err,err
+    funcs = ["math", "format", f"{plugin / 'my_reward.py'}:flaky"]
+    cfg = rewards.RewardConfig(funcs=funcs, weights=[1.0, 0.5, 0.25], timeout_s=30.0)
+    with rewards.Scorer(cfg) as scorer:
+        out = scorer.score(texts, examples)
+        assert out["by_name"] == {"math": [1, 0, 1, 0, 0, 0], "format": [1, 1, 0, 0, 0, 0],
+                                  funcs[2]: [1, 1, 1, 0, 0, 0]}
+        assert out["reward"] == [1.75, 0.75, 1.25, 0.0, 0.0, 0.0]
+        assert out["errors"] == 3 and out["timeouts"] == 0
+        assert scorer.score([], []) == {"reward": [], "by_name": {f: [] for f in funcs},
+                                        "errors": 0, "timeouts": 0}
+
+
+def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
+    texts = ["7", "8", "hang", "7", "9", "7"]
+    examples = [{"answer": "7"}] * 6
+    cfg = rewards.RewardConfig(funcs=["tiny_sum", "my_reward_mod:hang"], timeout_s=1.0)
+    with rewards.Scorer(cfg) as scorer:
+        scorer.score(["7"], [{"answer": "7"}])  # start the worker: its start-up is not a call
+        t0 = time.perf_counter()
+        out = scorer.score(texts, examples)
+        took = time.perf_counter() - t0
+        # one cut call (1 s) and one worker restart (a fresh Python importing math_verify)
+        assert took < 1.0 + 20.0, took
+        assert out["by_name"]["tiny_sum"] == [1, 0, 0, 1, 0, 1]
+        assert out["by_name"]["my_reward_mod:hang"] == [1, 1, 0, 1, 1, 1]
+        assert out["reward"] == [2, 1, 0, 2, 1, 2]
+        assert out["timeouts"] == 1 and out["errors"] == 0
+        print(f"batch with one hung call: {took:.2f} s")
+
+
+def test_scorer_survives_the_worker_dying(plugin):
+    cfg = rewards.RewardConfig(funcs=["my_reward_mod:crash"], timeout_s=30.0)
+    with rewards.Scorer(cfg) as scorer:
+        out = scorer.score(["a", "crash", "b"], [{}] * 3)
+        assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0
+        proc = scorer._proc
+    assert not proc.is_alive()  # close() reaped it
+
+
+def test_scorer_ipc_is_cheap():
+    examples = [{"answer": str(i % 10)} for i in range(512)]
+    texts = [str(i % 7) for i in range(512)]
+    with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
+        scorer.score(["1"], [{"answer": "1"}])  # start the worker
+        t0 = time.perf_counter()
+        out = scorer.score(texts, examples)
+        took = time.perf_counter() - t0
+    assert out["reward"] == [float(i % 7 == i % 10) for i in range(512)]
+    print(f"512 tiny_sum samples: {took * 1000:.1f} ms")

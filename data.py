@@ -1,0 +1,243 @@
+"""The prompt data of a GRPO run: the `data:` config section, dataset presets, and loading.
+
+`load_examples` reads rows with Hugging Face `datasets` (a hub id, a .parquet / .jsonl / .json
+file, or a directory written by `save_to_disk`), turns each prompt into token ids (plain text or
+chat messages, optionally through the tokenizer's chat template), extracts the gold answer, and
+drops prompts longer than `data.max_prompt_len`. Every bad input fails with a one-line ValueError
+that names the config field and the fix, before any model is built.
+
+A leaf module: it imports nothing from the project.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+log = logging.getLogger("grpo")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # hub dataset id "org/name", a .parquet/.jsonl/.json file, or a save_to_disk dir
+    split: str = "train"  # split of a hub dataset or a saved DatasetDict (files have one: ignored)
+    config_name: str = ""  # hub dataset config, e.g. "main" for openai/gsm8k (empty: the default)
+    eval_path: str = ""  # held-out set for log.eval_every, same kinds as path (empty: train)
+    eval_split: str = "test"  # split of eval_path
+    preset: str = ""  # "gsm8k" | "math" | "": fills the fields left at their defaults (PRESETS)
+    prompt_key: str = "prompt"  # column holding the prompt: text, or a list of {role, content}
+    answer_key: str = "answer"  # column holding the gold answer ("": none, example["answer"] None)
+    prompt_suffix: str = ""  # appended to every prompt (the last user turn), e.g. an instruction
+    system_prompt: str = ""  # a system turn with chat_template, else text before a blank line
+    chat_template: bool = False  # render the prompt with the tokenizer's chat template
+    max_prompt_len: int = 512  # longer prompts are dropped at load time
+    tiny_task_dir: str = ""  # if set: create the built-in tiny model + prompts here if missing
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """GSM8K's gold: the text after the last "####", stripped, thousands commas removed."""
+    if "####" not in text:
+        return None
+    return text.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces balanced), or None if there is none."""
+    matches = list(re.finditer(r"\\boxed\s*\{", text))
+    if not matches:
+        return None
+    start, depth = matches[-1].end(), 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i].strip()
+    return None  # unbalanced: no usable gold
+
+
+# Each preset: config values (applied by apply_preset) and "extract", the gold-answer extraction.
+PRESETS = {
+    "gsm8k": dict(path="openai/gsm8k", config_name="main", eval_path="openai/gsm8k",
+                  prompt_key="question", answer_key="answer",
+                  prompt_suffix=' Let\'s think step by step and output the final answer after "####".',
+                  extract=gsm8k_answer),
+    # MATH (Hendrycks) with the problem/solution columns and train/test splits; this id was not
+    # reachable from where this was written (no hub access), so it is untested here.
+    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", config_name="",
+                 eval_path="DigitalLearningGmbH/MATH-lighteval",
+                 prompt_key="problem", answer_key="solution",
+                 prompt_suffix=" Please reason step by step, and put your final answer within \\boxed{}.",
+                 extract=boxed_answer),
+}
+_SOURCE = ("path", "config_name", "eval_path")  # where the rows come from: all from one place
+
+
+def apply_preset(cfg: DataConfig) -> DataConfig:
+    """A copy of `cfg` where each field left at its dataclass default takes the preset's value.
+
+    The source fields (path, config_name, eval_path) are filled only if `path` is left empty too:
+    a user's own path with the preset's hub config or eval set would mix two datasets.
+    """
+    if not cfg.preset:
+        return dataclasses.replace(cfg)
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"data.preset={cfg.preset!r} is unknown. Fix: use one of "
+                         f"{sorted(PRESETS)} or leave it empty")
+    defaults = DataConfig()
+    own_source = cfg.path != defaults.path
+    values = {k: v for k, v in PRESETS[cfg.preset].items() if k != "extract"
+              and getattr(cfg, k) == getattr(defaults, k) and not (own_source and k in _SOURCE)}
+    return dataclasses.replace(cfg, **values)
+
+
+_FILE_KINDS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def _check_jsonl(path: str, field: str):
+    # datasets' json reader fails on a bad line without saying which: find it first
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{field}={path}: line {n} is not JSON ({e}). Fix: make each "
+                                     f"line one JSON object, or remove the line") from None
+
+
+def read_rows(path: str, split: str, config_name: str = "", field: str = "data.path",
+              split_field: str = "data.split"):
+    """The rows of `path` as a `datasets.Dataset`: a local file or save_to_disk directory if it
+    exists, else a hub id ("org/name"); anything else is a missing file. Errors: one line."""
+    import datasets
+
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path) and ext not in _FILE_KINDS:
+        raise ValueError(f"{field}={path}: unsupported file type {ext!r}. Fix: use a .parquet, "
+                         f".jsonl or .json file, a save_to_disk directory or a hub id")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in
+                                       ("dataset_info.json", "dataset_dict.json")):
+        raise ValueError(f"{field}={path} is a directory but not one written by datasets' "
+                         f"save_to_disk. Fix: point it at a saved dataset or at a "
+                         f".parquet/.jsonl/.json file")
+    if os.path.exists(path):
+        if ext == ".jsonl":
+            _check_jsonl(path, field)
+        try:
+            ds = (datasets.load_from_disk(path) if os.path.isdir(path) else
+                  datasets.load_dataset(_FILE_KINDS[ext], data_files=path, split="train"))
+        except (ValueError, IndexError, OSError) as e:  # an empty file or dataset lands here too
+            raise ValueError(f"{field}={path}: datasets could not read it ({_first_line(e)}); an "
+                             f"empty file or dataset fails this way. Fix: point {field} at a "
+                             f"dataset with rows") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{split_field}={split!r}: {field}={path} has splits "
+                                 f"{sorted(ds)}. Fix: set {split_field} to one of them")
+            ds = ds[split]
+        return ds
+    if ext in _FILE_KINDS or not _HUB_ID.fullmatch(path):
+        raise ValueError(f"{field}={path!r}: no such file or directory. Fix: point {field} at an "
+                         f"existing file or directory, or at a hub dataset id 'org/name'")
+    try:
+        return datasets.load_dataset(path, name=config_name or None, split=split)
+    except ValueError as e:  # datasets' own: an unknown config name or split
+        raise ValueError(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
+                         f"{split!r}): {_first_line(e)}. Fix: set data.config_name and "
+                         f"{split_field} to ones the dataset has") from None
+    except Exception as e:  # ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, HTTP...
+        raise ValueError(f"{field}={path} is not a local path, and the Hugging Face hub is "
+                         f"unreachable (offline?) or has no dataset {path} ({_first_line(e)}). "
+                         f"Fix: download it where the hub is reachable and point {field} at the "
+                         f"saved directory or file") from None
+
+
+def _is_messages(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt))
+
+
+def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
+    """Token ids of one prompt (text or chat messages) with data.prompt_suffix and
+    data.system_prompt, through the chat template if data.chat_template. `where` names the row."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif _is_messages(prompt):
+        if not cfg.chat_template:
+            raise ValueError(f"{where}: data.prompt_key={cfg.prompt_key!r} holds chat messages, "
+                             f"which need a chat template. Fix: set data.chat_template=true")
+        messages = [dict(m) for m in prompt]  # copies: the suffix must not edit the row
+    else:
+        raise ValueError(f"{where}: data.prompt_key={cfg.prompt_key!r} holds a "
+                         f"{type(prompt).__name__}, neither text nor a list of {{'role', "
+                         f"'content'}} dicts. Fix: point data.prompt_key at a prompt column")
+    users = [m for m in messages if m["role"] == "user"]
+    if cfg.prompt_suffix and not users:
+        raise ValueError(f"{where}: the messages have no user turn for data.prompt_suffix. "
+                         f"Fix: add one to the data or set data.prompt_suffix=''")
+    if users:
+        users[-1]["content"] += cfg.prompt_suffix
+    if not cfg.chat_template:
+        text = messages[0]["content"]
+        text = f"{cfg.system_prompt}\n\n{text}" if cfg.system_prompt else text
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if cfg.system_prompt and messages[0]["role"] != "system":  # the row's own system turn wins
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    # transformers 5 returns a BatchEncoding unless return_dict=False; older ones a list
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
+                  path: str | None = None) -> list[dict]:
+    """The examples of `path` (default data.path) / `split` (default data.split), in the dataset's
+    order: each row as a dict plus "prompt_ids" (list[int]) and "answer" (the preset's gold
+    extraction of data.answer_key's value, else that value as a string; None if answer_key is "").
+    Rows with a prompt over data.max_prompt_len tokens, or no gold the preset can extract, are
+    dropped and counted in the log. data.preset is applied here too (apply_preset)."""
+    cfg = apply_preset(cfg)
+    path, split = (cfg.path if path is None else path), (cfg.split if split is None else split)
+    # for the error messages: a path or split other than data.path / data.split is the eval set's
+    field = "data.path" if path == cfg.path else "data.eval_path"
+    split_field = "data.split" if split == cfg.split else "data.eval_split"
+    if not path:
+        raise ValueError(f"{field} is empty. Fix: set it to a hub id, a file or a directory, "
+                         f"or set data.preset")
+    extract = PRESETS[cfg.preset]["extract"] if cfg.preset else None
+    ds = read_rows(path, split, cfg.config_name, field, split_field)
+    # both columns are checked up front (even on an empty set); answer_key="" opts out of answers
+    for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
+        if key and key not in ds.column_names:
+            raise ValueError(f"data.{name}={key!r} is not a column of {field}={path} (columns: "
+                             f"{ds.column_names}). Fix: set data.{name} to one of them")
+    examples, too_long, no_gold = [], 0, 0
+    for i, row in enumerate(ds):
+        ids = prompt_ids(cfg, tokenizer, row[cfg.prompt_key], f"{field}={path} row {i}")
+        answer = None
+        if cfg.answer_key:
+            raw = row[cfg.answer_key]
+            answer = extract(str(raw)) if extract else (None if raw is None else str(raw))
+            if answer is None:
+                no_gold += 1
+                continue
+        if len(ids) > cfg.max_prompt_len:
+            too_long += 1
+            continue
+        examples.append({**row, "prompt_ids": ids, "answer": answer})
+    log.info("data: %d examples from %s (split %s), %d dropped as longer than "
+             "data.max_prompt_len=%d, %d without a gold answer", len(examples), path, split,
+             too_long, cfg.max_prompt_len, no_gold)
+    if not examples:
+        raise ValueError(f"{field}={path} (split {split!r}): no example left of {len(ds)} rows "
+                         f"({too_long} longer than data.max_prompt_len={cfg.max_prompt_len} "
+                         f"tokens, {no_gold} without a gold answer). Fix: raise "
+                         f"data.max_prompt_len or check the data")
+    return examples

@@ -1,0 +1,158 @@
+"""Tracking: the step's metrics over all ranks, the console line, the run directory's jsonl
+files and wandb.
+
+Rank 0 writes, into log.out_dir: metrics.jsonl (one row per step), samples.jsonl (a few
+(prompt, completion, reward) rows every log.samples_every steps) and eval_samples.jsonl (scored
+eval examples); wandb, when log.wandb is online or offline, gets the same rows and the resolved
+config. scripts/plot_metrics.py draws a run's metrics.jsonl.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("grpo")
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs/default"  # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
+    samples_every: int = 10  # write a few (prompt, completion, reward) rows every N steps
+    eval_every: int = 0  # eval on the held-out set every N steps and after the last (0: off)
+    eval_k: int = 0  # > 0: also mean@k, k samples per eval prompt at the rollout temperature
+    eval_examples: int = 4  # scored eval examples written to eval_samples.jsonl per eval
+    save_every: int = 0  # resumable checkpoint every N steps (0: none); HF export at the end
+    keep_checkpoints: int = 2  # newest complete checkpoints kept on disk
+    wandb: str = "disabled"  # online | offline (synced later with `wandb sync`) | disabled
+    wandb_project: str = "grpo"
+    run_name: str = ""  # wandb run name; empty: the last part of out_dir
+    wandb_tags: list[str] = field(default_factory=list)
+
+
+class Tracker:
+    """Rank 0's outputs of a run; on other ranks every method does nothing."""
+
+    def __init__(self, cfg, rank: int, done: int):
+        """cfg: the whole resolved config. done: steps already taken (resume): the rows of later
+        steps, a crashed run's tail, are dropped from the jsonl files; all rows when 0."""
+        self.cfg, self.log_cfg, self.active = cfg, cfg.log, rank == 0
+        self.metrics_file, self.wandb = None, None
+        if not self.active:
+            return
+        out = self.log_cfg.out_dir
+        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+            keep_rows_upto(os.path.join(out, name), done)
+        self.metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
+        if self.log_cfg.wandb != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=self.log_cfg.wandb_project, mode=self.log_cfg.wandb,
+                name=self.log_cfg.run_name or os.path.basename(os.path.normpath(out)),
+                tags=self.log_cfg.wandb_tags, config=dataclasses.asdict(cfg), dir=out,
+                resume="allow")
+
+    def log_step(self, metrics: dict, bar) -> None:
+        """A row of metrics.jsonl, the console line (through the progress bar), wandb."""
+        if not self.active:
+            return
+        self.metrics_file.write(json.dumps(metrics) + "\n")
+        self.metrics_file.flush()
+        bar.write(format_line(metrics, self.cfg.train.steps))
+        if self.wandb:
+            self.wandb.log(metrics, step=metrics["step"])
+
+    def log_samples(self, name: str, step: int, examples: list, texts: list, scores: list) -> None:
+        """(prompt, completion, reward, answer) rows into `name` (samples.jsonl, ...)."""
+        if not self.active:
+            return
+        data = self.cfg.data
+        with open(os.path.join(self.log_cfg.out_dir, name), "a") as f:
+            for ex, text, score in zip(examples, texts, scores):
+                f.write(json.dumps({"step": step, "prompt": ex[data.prompt_key],
+                                    "completion": text, "reward": score,
+                                    "answer": ex.get("answer")}) + "\n")
+
+    def close(self) -> None:
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def step_metrics(sums: dict, highs: dict, lows: dict, times: dict, gen: dict,
+                 groups_trained: int, samples_trained: int, tp_rank: int, tp: int) -> dict:
+    """The step's metrics over all ranks (every rank must call): the update's sums plus the
+    rollout's (train_grpo.new_rollout), each generated sample counted once over its engine
+    group's ranks."""
+    share = [gen["samples"][i] for i in range(tp_rank, len(gen["samples"]), tp)]
+    first = float(tp_rank == 0)
+    sums.update(samples=len(share), reward=sum(gen["scores"][tp_rank::tp]),
+                response_tokens=sum(len(s.response_ids) for s in share),
+                prompt_tokens=sum(len(s.prompt_ids) for s in share),
+                truncated=sum(s.truncated for s in share), reward_errors=first * gen["errors"],
+                reward_timeouts=first * gen["timeouts"],
+                groups_constant=first * sum(gen["constant"]),
+                groups_trained=first * groups_trained, samples_trained=first * samples_trained)
+    if len(gen["by_name"]) > 1:  # each reward function's mean, beside their weighted sum
+        sums.update({f"reward/{name}": sum(v[tp_rank::tp]) for name, v in gen["by_name"].items()})
+    return reduce_metrics(sums, highs, lows, times)
+
+
+def reduce_metrics(sums: dict, highs: dict, lows: dict, times: dict) -> dict:
+    """All-reduce this rank's sums (and maxima, minima); return the step's means. Every rank must
+    call it, with the same keys."""
+    def reduce(d, op):
+        t = torch.tensor(list(d.values()), dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return dict(zip(d, t.tolist()))
+
+    s, hi, lo = reduce(sums, dist.ReduceOp.SUM), reduce(highs, dist.ReduceOp.MAX), \
+        reduce(lows, dist.ReduceOp.MIN)
+    n, tokens = max(s["samples"], 1), max(s["mm_tokens"], 1)  # generated; trained tokens
+    m = {"reward_mean": s["reward"] / n, "response_len_mean": s["response_tokens"] / n,
+         "truncated_frac": s["truncated"] / n, "reward_errors": int(s["reward_errors"]),
+         "groups_constant": int(s["groups_constant"]), "groups_trained": int(s["groups_trained"]),
+         "samples_trained": int(s["samples_trained"]),
+         "entropy": s["entropy"] / tokens, "clip_frac": s["clipped"] / max(s["loss_tokens"], 1),
+         "logp_gap": s["logp_gap"] / tokens, "is_ratio_mean": s["is_ratio_mean"] / tokens,
+         "is_ratio_max": hi["is_ratio_max"], "is_ratio_min": lo["is_ratio_min"],
+         "is_above_cap_frac": s["is_above_cap_frac"] / tokens,
+         "seq_outside_cap_frac": s["seq_outside_cap_frac"] / max(s["mm_seqs"], 1)}
+    m.update({k: v / n for k, v in s.items() if k.startswith("reward/")})
+    m["reward_timeouts"] = int(s["reward_timeouts"])
+    if "kl" in s:
+        m["kl"] = s["kl"] / tokens
+    m.update({f"{k}_time_s": v for k, v in times.items()})
+    m["tokens_per_s"] = (s["prompt_tokens"] + s["response_tokens"]) / times["step"]
+    return m
+
+
+def keep_rows_upto(path: str, step: int) -> None:
+    """Rewrite a jsonl log keeping the rows of steps <= `step` (all rows gone for step 0)."""
+    rows = []
+    if step and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(rows)
+
+
+def format_line(m: dict, steps: int) -> str:
+    line = (f"step {m['step']}/{steps} | reward {m['reward_mean']:.3f} | "
+            f"len {m['response_len_mean']:.1f} | ent {m['entropy']:.2f} | "
+            + (f"kl {m['kl']:.4f} | " if "kl" in m else "")
+            + f"gap {m['logp_gap']:.1e} | "
+            f"gen {m['gen_time_s']:.2f}s sync {m['sync_time_s']:.2f}s "
+            f"reward {m['reward_time_s']:.2f}s train {m['train_time_s']:.2f}s | "
+            f"{m['tokens_per_s']:.0f} tok/s | mem {m['mem_peak_gb']:.1f}G")
+    if "eval_pass1" in m:
+        line += f" | eval {m['eval_pass1']:.3f}"
+    if "eval_mean_at_k" in m:
+        line += f" mean@k {m['eval_mean_at_k']:.3f}"
+    return line
