@@ -52,6 +52,57 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
 
 
+# Packed micro-batches (grpo.pack): several samples in one row, position ids restarting at 0 for
+# each, no padding; attention must stay within a sample. flash_attention_2 (transformers'
+# integrations for both accelerators; npu_ops.attention_implementation picks it) reads the
+# boundaries from the position ids and runs varlen kernels (not run here). Elsewhere the actor uses "packed_sdpa": transformers' sdpa for padded batches, and for a
+# packed row, each sample's queries, keys and values scattered into a padded (samples, heads,
+# longest, dim) block and run causally: attention costs what padding costs, everything else
+# (projections, MLP, output layer) runs on real tokens only. transformers' own packed sdpa path
+# would build a dense (tokens x tokens) mask instead.
+
+
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                position_ids=None, **kwargs):
+    """A transformers attention function; query (1, heads, N, dim) for a packed row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    pos = position_ids[0]  # (N,): 0, 1, ... for each sample in turn
+    seq = (pos == 0).cumsum(0) - 1  # (N,) each token's sample
+    n, longest = int(seq[-1]) + 1, int(pos.max()) + 1
+    if window is not None and window < longest:
+        raise ValueError(f"packed_sdpa: sliding window {window} < sample length {longest}")
+
+    def pad(x):  # (1, h, N, d) -> (n, h, longest, d)
+        out = x.new_zeros(n, x.shape[1], longest, x.shape[3])
+        out[seq, :, pos] = x[0].transpose(0, 1)
+        return out
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
+        dropout_p=dropout if module.training else 0.0, enable_gqa=key.shape[1] != query.shape[1])
+    return out[seq, :, pos].unsqueeze(0), None  # (1, N, h, d), as transformers' sdpa returns
+
+
+def register_packed_sdpa() -> str:
+    """Make "packed_sdpa" an attn_implementation of transformers; its mask is sdpa's for padded
+    batches and none for packed rows (the boundaries come from the position ids)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(*args, attention_mask=None, **kwargs):
+        return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask,
+                                                             **kwargs)
+
+    AttentionInterface.register("packed_sdpa", packed_sdpa)
+    AttentionMaskInterface.register("packed_sdpa", mask)
+    return "packed_sdpa"
+
+
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
@@ -61,6 +112,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
+    attn = register_packed_sdpa() if attn == "sdpa" else attn  # sdpa that packed rows can use
     dtype = getattr(torch, cfg.param_dtype) if reference else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)

@@ -21,6 +21,7 @@ reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (D
 masking or a soft penalty for responses cut at the length limit (DAPO).
 """
 
+import contextlib
 import math
 import types
 from dataclasses import dataclass
@@ -51,7 +52,10 @@ class GRPOConfig:
     overlong: str = "none"  # truncated responses: none | mask (out of the loss) | penalty
     overlong_buffer: int = 0  # penalty: last N tokens before max_new_tokens ramp it to -factor
     overlong_penalty_factor: float = 1.0
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward on one rank
+    micro_batch_tokens: int = 8192  # tokens per forward/backward on one rank (padding counts
+    #   too when pack is false)
+    pack: bool = True  # a micro-batch is one row of samples end to end, no padding (fsdp_utils)
+    logprob_chunk: int = 1024  # output-layer rows at a time: at most (chunk x vocab) fp32 logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,9 +203,21 @@ def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
     return ids, attn, ids[:, 1:], mask, padded
 
 
-def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group indices, longest first, so each group's (count x max length) fits `budget` tokens."""
+def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
+    """Group indices, longest first, so that each group fits `budget` tokens: packed, its total
+    length (first fit); padded, its (count x max length)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if packed:
+        batches, room = [], []
+        for i in order:
+            fits = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+            if fits is None:
+                batches.append([])
+                room.append(budget)
+                fits = len(room) - 1
+            batches[fits].append(i)
+            room[fits] -= lengths[i]
+        return batches
     batches, cur = [], []
     for i in order:
         if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
@@ -226,22 +242,76 @@ def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[in
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False)
 
 
-def micro_batch_plan(samples: list, budget: int) -> list[list[int]]:
+def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]]:
     """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
     as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward."""
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget)
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
+                              packed)
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))
 
 
-def forward_logp(model, samples: list, pad_id: int, device, temperature: float, per_token=None):
-    """Returns logp (n, T-1) of the targets, logits (n, T-1, V), mask and padded per-token dict."""
+def _chunk_logp(hidden, weight, bias, targets, rows, temperature: float):
+    """(c, H) final hidden states -> (c,) logp of `targets` under softmax(logits / temperature),
+    and the entropy sum of the raw logits over the (c,) bool `rows` (a float, not differentiated)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # (c, V) in the compute dtype
+    entropy = masked_entropy_sum(logits[None].detach(), rows[None]) if rows.any() else 0.0
+    return token_logprobs(logits[None], targets[None], temperature)[0], entropy
+
+
+@contextlib.contextmanager
+def logprob_head(model, targets, rows, temperature: float, chunk: int):
+    """While active, the model's output layer returns, in place of its (B, T, vocab) logits, a
+    (B, T, 1) tensor: the logprob of `targets` (B, T) under softmax(logits / temperature), `chunk`
+    rows at a time, each chunk's logits recomputed in backward (activation checkpointing): at most
+    (chunk x vocab) fp32 logits exist at once. The entropy sum over `rows` (B, T) lands in the
+    yielded dict. The result leaves through the model's output, where FSDP's backward hooks see
+    it: the output layer's weights are gathered for the forward and again for the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    head, found = model.get_output_embeddings(), {"entropy": 0.0}
+
+    def forward(self, hidden):  # (B, T, H)
+        flat, tg, rw = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), rows.reshape(-1)
+        parts = []
+        for s in range(0, flat.shape[0], chunk):
+            logp, entropy = checkpoint(_chunk_logp, flat[s:s + chunk], self.weight, self.bias,
+                                       tg[s:s + chunk], rw[s:s + chunk], temperature,
+                                       use_reentrant=False)
+            parts.append(logp)
+            found["entropy"] += entropy
+        return torch.cat(parts).view(*hidden.shape[:-1], 1)
+
+    head.forward = types.MethodType(forward, head)
+    try:
+        yield found
+    finally:
+        del head.forward
+
+
+def forward_logp(model, samples: list, pad_id: int, device, temperature: float, per_token=None,
+                 packed: bool = True, chunk: int = 1024):
+    """Returns logp (n, T-1) of the targets, the entropy sum over the loss mask, the mask and the
+    padded per-token dict, all in pad_batch's (n, T-1) layout. packed: the samples run end to end
+    in one row, position ids restarting at each (no padding); else as a padded batch."""
     ids, attn, targets, mask, padded = pad_batch(samples, pad_id, per_token)
-    ids, attn, targets, mask = ids.to(device), attn.to(device), targets.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    logp = token_logprobs(logits, targets, temperature)
-    return logp, logits, mask, {k: v.to(device) for k, v in padded.items()}
+    n, T = ids.shape
+    targets = torch.nn.functional.pad(targets, (0, 1), value=pad_id)  # (n, T): t predicts t+1
+    rows = torch.nn.functional.pad(mask, (0, 1)).bool()  # (n, T): where entropy is taken
+    if packed:
+        real = attn.bool()  # (n, T): the tokens, row-major: sample after sample
+        positions = torch.arange(T).expand(n, T)[real][None]  # restarting at 0 for each sample
+        inputs = {"input_ids": ids[real][None], "position_ids": positions}
+        targets, rows = targets[real][None], rows[real][None]  # (1, N)
+    else:
+        inputs = {"input_ids": ids, "attention_mask": attn}
+    with logprob_head(model, targets.to(device), rows.to(device), temperature, chunk) as found:
+        logp = model(**{k: v.to(device) for k, v in inputs.items()}).logits[..., 0]
+    if packed:  # back to one padded row per sample
+        logp = logp.new_zeros(n, T).masked_scatter(real.to(device), logp[0])
+    padded = {k: v.to(device) for k, v in padded.items()}
+    return logp[:, :-1], found["entropy"], mask.to(device), padded
 
 
 @torch.no_grad()
@@ -251,9 +321,9 @@ def sample_logprobs(model, samples: list, g: GRPOConfig, pad_id: int, device,
     (n_i,) fp32 CPU tensors."""
     out = [None] * len(samples)
     model.eval()
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens):
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
         logp, _, mask, _ = forward_logp(model, [samples[i] for i in idx] or [DUMMY], pad_id,
-                                        device, temperature)
+                                        device, temperature, None, g.pack, g.logprob_chunk)
         for row, i in enumerate(idx):
             out[i] = logp[row][mask[row].bool()].float().cpu()
     return out
@@ -273,11 +343,11 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
     if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return logps, stats
     actor.train()
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens):
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
         extra = {name: [lp[i] for i in idx] or [[0.0]]
                  for name, lp in (("old", old_logp), ("ref", ref_logp)) if lp is not None}
-        logp, logits, mask, pt = forward_logp(actor, [samples[i] for i in idx] or [DUMMY], pad_id,
-                                              device, temperature, extra)
+        logp, entropy, mask, pt = forward_logp(actor, [samples[i] for i in idx] or [DUMMY], pad_id,
+                                               device, temperature, extra, g.pack, g.logprob_chunk)
         old = pt["old"] if old_logp is not None else logp.detach()
         is_weight = mismatch_weights(old, pt["engine"], mask, g.is_correction, g.is_cap)
         a = adv[idx] if idx else torch.zeros(1)
@@ -287,7 +357,7 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
         (loss * (dist.get_world_size() if idx else 0.0)).backward()
         if idx:
             stats["clipped"] += clipped.sum().item()
-            stats["entropy"] += masked_entropy_sum(logits.detach(), mask)
+            stats["entropy"] += entropy
             for row, i in enumerate(idx):
                 logps[i] = logp[row][mask[row].bool()].detach().float().cpu()
     return logps, stats
