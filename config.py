@@ -170,6 +170,8 @@ def validate(cfg, world_size: int) -> None:
          f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
          f"({r.max_new_tokens}); got {g.overlong_buffer}")
     need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
+    need(cfg.model.offload in ("auto", "on", "off"),
+         f"model.offload='{cfg.model.offload}': use auto, on or off")
     need(cfg.optim.schedule in ("constant", "cosine"),
          f"optim.schedule='{cfg.optim.schedule}': use constant or cosine")
     need(cfg.optim.lr > 0 and cfg.train.steps >= 1, "optim.lr and train.steps must be positive")

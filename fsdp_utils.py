@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: memory for time
     attn_implementation: str = "auto"  # auto: npu_ops picks the platform's fused attention
     fused_kernels: str = "auto"  # auto | fused | reference | off: see npu_ops.kernel_path
+    offload: str = "auto"  # params + optimizer state in host memory while the engine generates:
+    #   auto = on where the engine sleeps on an accelerator beside the actor, off on CPU
 
 
 @dataclass
@@ -161,6 +164,65 @@ def offload(model: torch.nn.Module) -> None:
 
 def onload(model: torch.nn.Module) -> None:
     model.to(npu_ops.local_device())
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory, pinned on accelerators (faster copies both ways; a DTensor's
+    local shard is pinned; not run here). A copy on CPU too: an offload is a real round trip."""
+    out = t.detach().to("cpu", copy=True)
+    if npu_ops.device_type() != "cpu":
+        local = getattr(out, "_local_tensor", None)
+        out = (out.pin_memory() if local is None else type(out).from_local(
+            local.pin_memory(), out.device_mesh, out.placements, shape=out.shape,
+            stride=out.stride()))
+    return out
+
+
+class ActorSwap:
+    """The actor's parameter shards and optimizer state out of device memory while the engine
+    generates (`out`: into host copies, the device cache released, so the engine's KV cache can
+    take the memory) and back before the update (`back`: copies of those host copies). Gradients
+    are None between steps. Each move is timed, and on accelerators the device memory in use
+    before and after it goes into `metrics`. Off: both do nothing."""
+
+    def __init__(self, model, optimizer, enabled: bool):
+        self.model, self.optimizer, self.enabled = model, optimizer, enabled
+        self.away, self.stats = None, {}
+
+    def out(self) -> None:
+        if not self.enabled:
+            return
+        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+        self.model._apply(host_copy)  # FSDPModule._apply re-registers the shards
+        self.away = {}  # (param index, key) -> the device each optimizer state tensor came from
+        for i, state in enumerate(self.optimizer.state.values()):
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    self.away[i, k], state[k] = v.device, host_copy(v)
+        npu_ops.empty_cache()
+        self._record("switch_out", t, before)
+
+    def back(self) -> None:
+        if not self.enabled or self.away is None:
+            return
+        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+        device = npu_ops.local_device()
+        self.model._apply(lambda x: x.to(device, copy=True))
+        for i, state in enumerate(self.optimizer.state.values()):
+            for k, v in state.items():
+                if (i, k) in self.away:  # AdamW's step counter stays where it was (on the host)
+                    state[k] = v.to(self.away[i, k], copy=True)
+        self.away = None
+        self._record("switch_in", t, before)
+
+    def _record(self, name: str, t: float, before) -> None:
+        self.stats[f"{name}_time_s"] = time.perf_counter() - t
+        if before is not None:
+            self.stats.update({f"mem_{name}_before_gb": before,
+                               f"mem_{name}_after_gb": npu_ops.device_memory_used_gb()})
+
+    def metrics(self) -> dict:
+        return dict(self.stats)
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):

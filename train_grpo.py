@@ -120,6 +120,8 @@ def train(cfg: Config) -> dict:
     actor = fsdp_utils.build_actor(cfg.model, mesh)
     ref = fsdp_utils.build_actor(cfg.model, mesh, reference=True) if g.kl_coef > 0 else None
     opt, sched = fsdp_utils.build_optimizer(cfg.optim, actor, cfg.train.steps)
+    offload = {"on": True, "off": False}.get(cfg.model.offload, npu_ops.engine_supports_sleep())
+    swap = fsdp_utils.ActorSwap(actor, opt, enabled=offload)  # out while generating, back after
     done, drawn = 0, 0  # steps taken; prompts drawn from the shuffled data (all engine groups)
     ckpt = fsdp_utils.latest_checkpoint(out) if cfg.train.resume else None
     if ckpt:
@@ -137,7 +139,7 @@ def train(cfg: Config) -> dict:
             # 1) rollout: the actor's weights into the engine (wake weights -> load -> wake KV
             #    cache), then G samples for each of this engine group's next prompts, in rounds:
             #    one, unless dynamic sampling (DAPO) draws fresh prompts to refill the batch
-            sync = weight_sync.push(actor, engine)
+            sync = weight_sync.push(actor, engine, before_kv_cache=swap.out)
             times["sync"] = sync["seconds"]
             gen, rounds = new_rollout(), 0
             while True:
@@ -165,6 +167,7 @@ def train(cfg: Config) -> dict:
                          if not (g.overlong == "mask" and gen["samples"][b * G + j].truncated)]
 
             # 3) update: this rank trains on its 1/tp share of the kept samples
+            swap.back()  # the actor's parameters and optimizer state, if they were moved out
             t = time.perf_counter()
             mine = train_idx[tp_rank::tp]
             sums, highs, lows, grad_norm = grpo.train_on_rollout(
@@ -184,6 +187,7 @@ def train(cfg: Config) -> dict:
                            mem_peak_gb=npu_ops.memory_gb()["peak"])
             for event, (before, after) in engine.memory.items():  # accelerators only
                 metrics.update({f"mem_{event}_before_gb": before, f"mem_{event}_after_gb": after})
+            metrics.update(swap.metrics())  # with model.offload: the moves' times and memory
             if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.steps):
                 scores, rows = evaluate(engine, actor, eval_examples, scorer, tokenizer,
                                         engine_idx, n_engines, cfg.log.eval_k)

@@ -43,16 +43,22 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict):
 
 
 @torch.no_grad()
-def push(model: torch.nn.Module, engine) -> dict:
+def push(model: torch.nn.Module, engine, before_kv_cache=None) -> dict:
     """Wake the engine's weights, stream the actor into them, then wake its KV cache.
 
-    Order: weights -> load -> KV cache (see rollout.py). Returns {"bytes": sent, "seconds": s}.
+    Order: weights -> load -> KV cache (see rollout.py). `before_kv_cache` runs between the load
+    and the KV cache's wake: the loop moves the actor out of device memory there, so that the KV
+    cache can take it. Returns {"bytes": sent, "seconds": s}, the seconds without that call.
     """
     t0 = time.perf_counter()
     stats = {"bytes": 0}
     dtype = getattr(torch, engine.cfg.dtype)
     engine.wake(["weights"])
     engine.load_weights(iter_full_params(model, dtype, stats))
+    if before_kv_cache is not None:
+        t = time.perf_counter()
+        before_kv_cache()
+        t0 += time.perf_counter() - t
     engine.wake(["kv_cache"])
     npu_ops.synchronize()
     return {"bytes": stats["bytes"], "seconds": time.perf_counter() - t0}

@@ -67,6 +67,7 @@ def test_shipped_config_loads():
     ("--rollout.max_new_tokens=100", 1, "rollout.max_new_tokens=100 must be below"),
     ("--rollout.dtype=float33", 1, "rollout.dtype='float33' is not a torch dtype"),
     ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
+    ("--model.offload=yes", 1, "model.offload='yes'"),
     ("--model.fused_kernels=fast", 1, "model.fused_kernels='fast'"),
     ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs torch_npu"),
     ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),

@@ -62,7 +62,8 @@ def test_two_rank_run_learns(tmp_path):
 def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     """The non-default paths through the real loop at once: sequence-mean loss, clip-higher, two
     epochs of two mini-batches, a KL term to the frozen reference, sequence-level mismatch
-    masking, dynamic sampling with refill rounds, and the soft overlong penalty."""
+    masking, dynamic sampling with refill rounds, the soft overlong penalty, and the actor moved
+    to host memory while the engine generates."""
     steps, prompts = 30, 32
     launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
             f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}",
@@ -70,7 +71,7 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
             "--grpo.clip_high=0.28", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
             "--grpo.kl_coef=0.01", "--grpo.is_correction=seq_mask", "--grpo.dynamic_sampling=true",
             "--grpo.max_gen_rounds=3", "--grpo.overlong=penalty", "--grpo.overlong_buffer=2",
-            "--grpo.overlong_penalty_factor=0.1"], timeout=900)
+            "--grpo.overlong_penalty_factor=0.1", "--model.offload=on"], timeout=900)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert KEYS | {"kl"} <= set(rows[0])
@@ -87,6 +88,8 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > 2 * first and last > 0.05, (first, last)
+    # the actor went out of device memory and came back at every step
+    assert all(r["switch_out_time_s"] > 0 and r["switch_in_time_s"] > 0 for r in rows)
 
 
 def test_notebook_style_world_of_one(tiny_task_dir, tmp_path):

@@ -10,3 +10,8 @@ from conftest import launch
 def test_sharded_equals_unsharded(tiny_models, arch, reshard, ckpt):
     out = launch(["tests/workers/fsdp_parity.py", tiny_models[arch], reshard, ckpt])
     assert out.count("FSDP_PARITY_OK") == 2
+
+
+def test_offload_round_trip_is_exact(tiny_models):
+    out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"]])
+    assert out.count("OFFLOAD_PARITY_OK") == 2, out[-3000:]
