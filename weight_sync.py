@@ -7,19 +7,14 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
   `torch.compile` or activation checkpointing may add.
 - Tied embeddings: `named_parameters()` lists the shared tensor once, as the embedding; vLLM then
   keeps its old `lm_head.weight`, so the pair is sent a second time as `lm_head.weight`.
-- Gathering: one FSDP unit at a time (a decoder layer, then the root's embedding, norm and output
-  layer): `unshard()` all-gathers the unit's parameters in one collective, in the compute dtype
-  (FSDP2's mixed precision casts before the gather), each tensor goes to the engine as one copy
-  in the engine's dtype (the cast and the copy in one pass), and `reshard()` frees the unit. At
-  most one unit (and the engine's pending layer) is whole beyond the shards: never a second copy
-  of the model.
+- Memory: pairs are produced lazily, one parameter at a time (all-gather, cast, hand over, drop),
+  so at most one full parameter beyond the shards is alive: never a second copy of the model.
   Every rank must call `push` (the all-gathers are collectives).
 """
 
 import time
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 import npu_ops
 
@@ -32,39 +27,19 @@ def hf_name(name: str) -> str:
     return name
 
 
-def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
-    """[(FSDP unit, names of the parameters it owns)], in named_parameters order; one (None,
-    all names) for a model that is not sharded. A parameter belongs to the innermost unit whose
-    module holds it."""
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    owned = {}
-    for pname, _ in model.named_parameters():
-        path = pname.split(".")
-        owner = next((".".join(path[:i]) for i in range(len(path) - 1, -1, -1)
-                      if ".".join(path[:i]) in modules), None)
-        owned.setdefault(owner, []).append(pname)
-    return [(modules.get(owner), names) for owner, names in owned.items()]
-
-
 def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict):
-    """Yield (HF name, full tensor in `dtype`) for every parameter, gathering unit by unit."""
+    """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards."""
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for unit, names in units(model):
-        if unit is not None:
-            unit.unshard()  # one all-gather for the unit; its parameters are now whole tensors
-        for pname in names:
-            # a copy, cast on the way: reshard() frees the gathered storage in place, and the
-            # engine may hold a tensor until its whole layer has arrived
-            full = model.get_parameter(pname).detach().to(dtype, copy=True)
-            name = hf_name(pname)
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor -> Tensor
+        full = full.detach().to(dtype)
+        name = hf_name(name)
+        stats["bytes"] += full.numel() * full.element_size()
+        yield name, full
+        if tied and name.endswith("embed_tokens.weight"):
             stats["bytes"] += full.numel() * full.element_size()
-            yield name, full
-            if tied and name.endswith("embed_tokens.weight"):
-                stats["bytes"] += full.numel() * full.element_size()
-                yield "lm_head.weight", full
-            del full
-        if unit is not None:
-            unit.reshard()
+            yield "lm_head.weight", full
+        del full
 
 
 @torch.no_grad()

@@ -141,30 +141,3 @@ def test_only_the_rotary_reload_warning_is_dropped():
     assert seen == ["QKVParallelLinear: Failed to load weights",
                     "something else about RotaryEmbedding"]
     assert len(logger.filters) == 1
-
-
-def test_units_of_an_fsdp_model(tiny_models, tmp_path):
-    """weight_sync.units: the root's own tensors, then one unit per decoder layer, every parameter
-    once; the push sends every tensor whole (the 2-rank sync test counts one gather per unit)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp_utils
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        model = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=tiny_models["qwen2"],
-                                                              param_dtype="float32"),
-                                       init_device_mesh("cpu", (1,)))
-        groups = weight_sync.units(model)
-        layers = model.config.num_hidden_layers
-        assert [unit for unit, _ in groups] == [model, *model.model.layers]
-        assert {n for _, names in groups for n in names} == {n for n, _ in model.named_parameters()}
-        assert [len(names) for _, names in groups][1:] == [
-            len(list(model.model.layers[0].parameters()))] * layers
-        engine = RecordingEngine("float32")
-        weight_sync.push(model, engine)
-        for name, p in model.named_parameters():
-            assert torch.equal(engine.received[name], p.full_tensor()), name
-    finally:
-        dist.destroy_process_group()
