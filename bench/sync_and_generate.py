@@ -16,7 +16,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
@@ -26,6 +25,28 @@ import rollout  # noqa: E402
 import tiny_task  # noqa: E402
 import weight_sync  # noqa: E402
 from train_grpo import init_distributed  # noqa: E402
+
+
+def random_qwen2(hidden: int, layers: int, rank: int) -> str:
+    """A random-init Qwen2 of that size with the tiny task's tokenizer, written once by rank 0
+    under the temp dir and reused; returns its directory on every rank."""
+    root = os.path.join(tempfile.gettempdir(), f"bench_qwen2_{hidden}x{layers}")
+    if rank == 0 and not os.path.exists(os.path.join(root, "READY")):
+        tiny = tiny_task.ensure_tiny_task(root + "_tok")  # for its tokenizer
+        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(os.path.join(tiny, "model"))
+        heads = hidden // 128
+        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3,
+                          num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=max(1, heads // 4), head_dim=128,
+                          max_position_embeddings=4096, tie_word_embeddings=False,
+                          eos_token_id=tok.eos_token_id)
+        Qwen2ForCausalLM(cfg).save_pretrained(os.path.join(root, "model"))
+        tok.save_pretrained(os.path.join(root, "model"))
+        open(os.path.join(root, "READY"), "w").close()
+    dist.barrier()
+    return os.path.join(root, "model")
 
 
 def main():
@@ -42,23 +63,7 @@ def main():
 
     npu_ops.setup_env()
     rank, world = init_distributed()
-    root = os.path.join(tempfile.gettempdir(), f"bench_qwen2_{args.hidden}x{args.layers}")
-    if rank == 0 and not os.path.exists(os.path.join(root, "READY")):
-        tiny = tiny_task.ensure_tiny_task(root + "_tok")  # for its tokenizer
-        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-        tok = AutoTokenizer.from_pretrained(os.path.join(tiny, "model"))
-        heads = args.hidden // 128
-        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=args.hidden,
-                          intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
-                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                          head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
-                          eos_token_id=tok.eos_token_id)
-        Qwen2ForCausalLM(cfg).save_pretrained(os.path.join(root, "model"))
-        tok.save_pretrained(os.path.join(root, "model"))
-        open(os.path.join(root, "READY"), "w").close()
-    dist.barrier()
-    path = os.path.join(root, "model")
+    path = random_qwen2(args.hidden, args.layers, rank)
 
     engine_cfg = rollout.RolloutConfig(tp_size=args.tp, dtype=args.dtype, max_model_len=512,
                                        kv_cache_memory_bytes=1 << 30,

@@ -1,0 +1,98 @@
+"""Weight sync against its floor, on a random-init Qwen2 built from a config (no download). Prints
+one JSON line (rank 0).
+
+    torchrun --nproc_per_node 2 bench/weight_sync.py            # 1024 x 9 layers: 105M params
+    python bench/weight_sync.py                                 # world size 1
+    torchrun --nproc_per_node 8 bench/weight_sync.py --hidden 896 --layers 24 --dtype bfloat16
+
+push: `weight_sync.push` into the engine, as the trainer does it (wake, gather unit by unit, cast,
+load into the engine's storage, prefix-cache reset); best of `--repeats` after one warm-up.
+floor, measured in the same run on the same process group: a bare all-gather of the same bytes
+(every rank's shard of every parameter, in one collective) plus one plain copy of all the bytes,
+what any push must at least do. ratio = push / floor.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import fsdp_utils  # noqa: E402
+import rollout  # noqa: E402
+import weight_sync  # noqa: E402
+from sync_and_generate import random_qwen2  # noqa: E402
+from train_grpo import init_distributed  # noqa: E402
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        npu_ops.synchronize()
+        t = time.perf_counter()
+        fn()
+        npu_ops.synchronize()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=9)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    npu_ops.setup_env()
+    rank, world = init_distributed()
+    path = random_qwen2(args.hidden, args.layers, rank)
+    engine = rollout.Engine(rollout.RolloutConfig(dtype=args.dtype, max_model_len=256,
+                                                  kv_cache_memory_bytes=64 << 20,
+                                                  max_new_tokens=4), path, tp_group_index=rank)
+    engine.sleep()
+    actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=path, param_dtype=args.dtype),
+                                   init_device_mesh(npu_ops.device_type(), (world,)))
+    sent = {}
+
+    def push():
+        sent.update(weight_sync.push(actor, engine))
+        engine.sleep()
+
+    push_s = best_time(push, args.repeats)
+    dtype, device = getattr(torch, args.dtype), npu_ops.local_device()
+    shard = torch.tensor(sum(p.to_local().numel() for p in actor.parameters()))
+    dist.all_reduce(shard, op=dist.ReduceOp.MAX)  # shards differ a little; FSDP gathers padded
+    shard = int(shard)
+    local = torch.ones(shard, dtype=dtype, device=device)
+    gathered = torch.empty(shard * world, dtype=dtype, device=device)
+    total = sent["bytes"] // dtype.itemsize
+    src, dst = torch.ones(total, dtype=dtype, device=device), torch.empty(total, dtype=dtype,
+                                                                          device=device)
+
+    def floor():
+        dist.all_gather_into_tensor(gathered, local)
+        dst.copy_(src)
+
+    floor_s = best_time(floor, args.repeats)
+    if rank == 0:
+        print(json.dumps({
+            "device": npu_ops.device_type(), "world": world, "dtype": args.dtype,
+            "params_m": round(sum(p.numel() for p in actor.parameters()) / 1e6, 1),
+            "gb": round(sent["bytes"] / 2**30, 3), "push_s": round(push_s, 3),
+            "push_gb_per_s": round(sent["bytes"] / 2**30 / push_s, 2),
+            "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2)}), flush=True)
+    engine.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
