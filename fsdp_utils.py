@@ -58,11 +58,12 @@ class OptimConfig:
 # Packed micro-batches (grpo.pack): several samples in one row, position ids restarting at 0 for
 # each, no padding; attention must stay within a sample. flash_attention_2 (transformers'
 # integrations for both accelerators; npu_ops.attention_implementation picks it) reads the
-# boundaries from the position ids and runs varlen kernels (not run here). Elsewhere the actor uses "packed_sdpa": transformers' sdpa for padded batches, and for a
-# packed row, each sample's queries, keys and values scattered into a padded (samples, heads,
-# longest, dim) block and run causally: attention costs what padding costs, everything else
-# (projections, MLP, output layer) runs on real tokens only. transformers' own packed sdpa path
-# would build a dense (tokens x tokens) mask instead.
+# boundaries from the position ids and runs varlen kernels (not run here). Elsewhere the actor
+# uses "packed_sdpa": transformers' sdpa for padded batches, and for a packed row, each sample's
+# queries, keys and values scattered into a padded (samples, heads, longest, dim) block and run
+# causally: attention costs what padding costs, everything else (projections, MLP, output layer)
+# runs on real tokens only. transformers' own packed sdpa path would build a dense
+# (tokens x tokens) mask instead.
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -151,19 +152,11 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     return model
 
 
-# FSDP2 supports `module.to(device)` on a sharded model: FSDPModule._apply moves each rank's shards
-# and re-registers them, so parking a model costs one host<->device copy of its shard. Tests run
-# this path on CPU only, where nothing moves; the memory it frees on an accelerator is unmeasured.
-
-
-def offload(model: torch.nn.Module) -> None:
-    """Move this rank's shards (and buffers) to host memory and release the device cache."""
-    model.to("cpu")
-    npu_ops.empty_cache()
-
-
-def onload(model: torch.nn.Module) -> None:
-    model.to(npu_ops.local_device())
+# Parking a sharded model in host memory (the frozen reference between its passes, the actor while
+# the engine generates): FSDPModule._apply replaces each rank's shards and re-registers them, so a
+# park costs one device -> host copy of the shard and coming back one host -> device copy. Each
+# move makes a copy even on CPU, where host and device memory are one, so the CPU tests see a real
+# round trip. The memory it frees on an accelerator is unmeasured (none lent to this project yet).
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -176,6 +169,18 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
             local.pin_memory(), out.device_mesh, out.placements, shape=out.shape,
             stride=out.stride()))
     return out
+
+
+def offload(model: torch.nn.Module) -> None:
+    """Move this rank's shards (and buffers) into host memory and release the device cache."""
+    model._apply(host_copy)
+    npu_ops.empty_cache()
+
+
+def onload(model: torch.nn.Module) -> None:
+    """Bring the shards back to this rank's device: copies of the host copies."""
+    device = npu_ops.local_device()
+    model._apply(lambda t: t.to(device, copy=True))
 
 
 class ActorSwap:
@@ -193,21 +198,19 @@ class ActorSwap:
         if not self.enabled:
             return
         t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-        self.model._apply(host_copy)  # FSDPModule._apply re-registers the shards
         self.away = {}  # (param index, key) -> the device each optimizer state tensor came from
         for i, state in enumerate(self.optimizer.state.values()):
             for k, v in state.items():
                 if torch.is_tensor(v):
                     self.away[i, k], state[k] = v.device, host_copy(v)
-        npu_ops.empty_cache()
+        offload(self.model)  # the shards, then the device cache
         self._record("switch_out", t, before)
 
     def back(self) -> None:
         if not self.enabled or self.away is None:
             return
         t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-        device = npu_ops.local_device()
-        self.model._apply(lambda x: x.to(device, copy=True))
+        onload(self.model)
         for i, state in enumerate(self.optimizer.state.values()):
             for k, v in state.items():
                 if (i, k) in self.away:  # AdamW's step counter stays where it was (on the host)
