@@ -252,11 +252,14 @@ def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]
     return plan + [[]] * (int(n) - len(plan))
 
 
-def _chunk_logp(hidden, weight, bias, targets, rows, temperature: float):
+def _chunk_logp(hidden, weight, bias, targets, once: list, temperature: float):
     """(c, H) final hidden states -> (c,) logp of `targets` under softmax(logits / temperature),
-    and the entropy sum of the raw logits over the (c,) bool `rows` (a float, not differentiated)."""
+    and the entropy sum of the raw logits (a float, not differentiated) over the (c,) bool rows
+    that `once` holds, if it holds any: taken out here, so that backward's recompute of this
+    chunk, which calls again with the same list, skips the entropy."""
     logits = torch.nn.functional.linear(hidden, weight, bias)  # (c, V) in the compute dtype
-    entropy = masked_entropy_sum(logits[None].detach(), rows[None]) if rows.any() else 0.0
+    rows = once.pop() if once else None
+    entropy = masked_entropy_sum(logits[None].detach(), rows[None]) if rows is not None else 0.0
     return token_logprobs(logits[None], targets[None], temperature)[0], entropy
 
 
@@ -265,20 +268,22 @@ def logprob_head(model, targets, rows, temperature: float, chunk: int):
     """While active, the model's output layer returns, in place of its (B, T, vocab) logits, a
     (B, T, 1) tensor: the logprob of `targets` (B, T) under softmax(logits / temperature), `chunk`
     rows at a time, each chunk's logits recomputed in backward (activation checkpointing): at most
-    (chunk x vocab) fp32 logits exist at once. The entropy sum over `rows` (B, T) lands in the
-    yielded dict. The result leaves through the model's output, where FSDP's backward hooks see
+    (chunk x vocab) fp32 logits exist at once. The entropy sum over `rows` (B, T; None: no
+    entropy) lands in the yielded dict. The result leaves through the model's output, where
+    FSDP's backward hooks see
     it: the output layer's weights are gathered for the forward and again for the backward."""
     from torch.utils.checkpoint import checkpoint
 
     head, found = model.get_output_embeddings(), {"entropy": 0.0}
 
     def forward(self, hidden):  # (B, T, H)
-        flat, tg, rw = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), rows.reshape(-1)
+        flat, tg = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        rw = None if rows is None else rows.reshape(-1)
         parts = []
         for s in range(0, flat.shape[0], chunk):
+            once = [] if rw is None else [rw[s:s + chunk]]
             logp, entropy = checkpoint(_chunk_logp, flat[s:s + chunk], self.weight, self.bias,
-                                       tg[s:s + chunk], rw[s:s + chunk], temperature,
-                                       use_reentrant=False)
+                                       tg[s:s + chunk], once, temperature, use_reentrant=False)
             parts.append(logp)
             found["entropy"] += entropy
         return torch.cat(parts).view(*hidden.shape[:-1], 1)
@@ -291,10 +296,11 @@ def logprob_head(model, targets, rows, temperature: float, chunk: int):
 
 
 def forward_logp(model, samples: list, pad_id: int, device, temperature: float, per_token=None,
-                 packed: bool = True, chunk: int = 1024):
-    """Returns logp (n, T-1) of the targets, the entropy sum over the loss mask, the mask and the
-    padded per-token dict, all in pad_batch's (n, T-1) layout. packed: the samples run end to end
-    in one row, position ids restarting at each (no padding); else as a padded batch."""
+                 packed: bool = True, chunk: int = 1024, entropy: bool = True):
+    """Returns logp (n, T-1) of the targets, the entropy sum over the loss mask (0.0 without
+    `entropy`), the mask and the padded per-token dict, all in pad_batch's (n, T-1) layout.
+    packed: the samples run end to end in one row, position ids restarting at each (no
+    padding); else as a padded batch."""
     ids, attn, targets, mask, padded = pad_batch(samples, pad_id, per_token)
     n, T = ids.shape
     targets = torch.nn.functional.pad(targets, (0, 1), value=pad_id)  # (n, T): t predicts t+1
@@ -306,7 +312,8 @@ def forward_logp(model, samples: list, pad_id: int, device, temperature: float, 
         targets, rows = targets[real][None], rows[real][None]  # (1, N)
     else:
         inputs = {"input_ids": ids, "attention_mask": attn}
-    with logprob_head(model, targets.to(device), rows.to(device), temperature, chunk) as found:
+    rows = rows.to(device) if entropy else None
+    with logprob_head(model, targets.to(device), rows, temperature, chunk) as found:
         logp = model(**{k: v.to(device) for k, v in inputs.items()}).logits[..., 0]
     if packed:  # back to one padded row per sample
         logp = logp.new_zeros(n, T).masked_scatter(real.to(device), logp[0])
@@ -323,7 +330,8 @@ def sample_logprobs(model, samples: list, g: GRPOConfig, pad_id: int, device,
     model.eval()
     for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
         logp, _, mask, _ = forward_logp(model, [samples[i] for i in idx] or [DUMMY], pad_id,
-                                        device, temperature, None, g.pack, g.logprob_chunk)
+                                        device, temperature, None, g.pack, g.logprob_chunk,
+                                        entropy=False)
         for row, i in enumerate(idx):
             out[i] = logp[row][mask[row].bool()].float().cpu()
     return out

@@ -81,19 +81,32 @@ def test_packed_equals_padded(arch, world_of_one):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_chunked_logprobs_equal_unchunked_and_transformers(packed):
+def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     model, samples = model_for("qwen3"), varied_samples(1)
     weights = torch.randn(len(samples), 60)  # an arbitrary loss, to compare gradients
+    entropy_calls = []
+    real_entropy = grpo.masked_entropy_sum
+    monkeypatch.setattr(grpo, "masked_entropy_sum",
+                        lambda *a, **k: entropy_calls.append(1) or real_entropy(*a, **k))
 
     def run(chunk):
         model.zero_grad()
+        entropy_calls.clear()
         logp, entropy, mask, _ = grpo.forward_logp(model, samples, 0, "cpu", 0.7, None, packed,
                                                    chunk)
         (logp * mask * weights[:, :logp.shape[1]]).sum().backward()
+        # rows through the output layer: every token packed, every padded position otherwise
+        rows = (sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) if packed
+                else logp.shape[0] * (logp.shape[1] + 1))
+        # the entropy: once per chunk of the forward, not again when backward recomputes it
+        assert len(entropy_calls) == -(-rows // chunk), (len(entropy_calls), rows, chunk)
         return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     chunked, ent_chunked, g_chunked = run(5)
     whole, ent_whole, g_whole = run(10**9)
+    entropy_calls.clear()  # the old and reference passes need no entropy
+    grpo.forward_logp(model, samples, 0, "cpu", 0.7, None, packed, 5, entropy=False)
+    assert entropy_calls == []
     # transformers' logits (padded batch, sdpa), then the logprob of each target
     model.zero_grad()
     ids, attn, targets, mask, _ = grpo.pad_batch(samples, 0)
