@@ -387,7 +387,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
-    old_logp = None if on_policy else sample_logprobs(actor, samples, g, pad_id, device, temperature)
+    old_logp = (None if on_policy
+                else sample_logprobs(actor, samples, g, pad_id, device, temperature))
     ref_logp = None
     if ref is not None:  # the frozen reference lives off the accelerator between its passes
         fsdp_utils.onload(ref)

@@ -128,7 +128,7 @@ def train(cfg: Config) -> dict:
         state = fsdp_utils.load_checkpoint(ckpt, actor, opt, sched)
         done, drawn = state["step"], state.get("drawn", state["step"] * P)
         log.info("resumed from %s: continuing after step %d", ckpt, done)
-    tracker = tracking.Tracker(cfg, rank, done)  # rank 0: jsonl files (a crashed tail dropped), wandb
+    tracker = tracking.Tracker(cfg, rank, done)  # rank 0: jsonl (a crashed tail dropped), wandb
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.train.seed))
     bar = tqdm(range(done + 1, cfg.train.steps + 1), initial=done, total=cfg.train.steps,
                disable=rank != 0, desc="steps", file=sys.stdout)
@@ -195,10 +195,10 @@ def train(cfg: Config) -> dict:
                 tracker.log_samples("eval_samples.jsonl", step,
                                     *(r[:cfg.log.eval_examples] for r in rows))
             tracker.log_step(metrics, bar)
-            if cfg.log.samples_every and step % cfg.log.samples_every == 0:  # a few groups' first
-                few = range(0, min(len(gen["texts"]), 4 * G), G)
-                tracker.log_samples("samples.jsonl", step, *([gen[k][i] for i in few]
-                                                             for k in ("examples", "texts", "scores")))
+            if cfg.log.samples_every and step % cfg.log.samples_every == 0:
+                few = range(0, min(len(gen["texts"]), 4 * G), G)  # the first 4 groups' first
+                picked = ([gen[k][i] for i in few] for k in ("examples", "texts", "scores"))
+                tracker.log_samples("samples.jsonl", step, *picked)
             if cfg.log.save_every and step % cfg.log.save_every == 0:
                 fsdp_utils.save_checkpoint(out, step, actor, opt, sched, cfg.log.keep_checkpoints,
                                            extra={"drawn": drawn})

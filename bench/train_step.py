@@ -9,7 +9,8 @@ built from a config (no download). Prints one JSON line.
 The batch: `--samples` sequences whose lengths run from `--min-len` to 4x that (prompt of
 `--prompt` tokens included): `--shape uniform` spreads them evenly; `skewed` (the default) puts
 most near the short end with a tail to the long one, as sampled responses are (GSM8K: most
-short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]. Each variant runs in a fresh process (a process's peak memory only grows):
+short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]. Each variant
+runs in a fresh process (a process's peak memory only grows):
 - packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens, forward and
   backward, median of `--repeats` after one warm-up;
 - chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the step
