@@ -9,14 +9,11 @@ config. scripts/plot_metrics.py draws a run's metrics.jsonl.
 
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("grpo")
 
 
 @dataclass
