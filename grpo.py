@@ -23,6 +23,7 @@ masking or a soft penalty for responses cut at the length limit (DAPO).
 
 import contextlib
 import math
+import time
 import types
 from dataclasses import dataclass
 
@@ -379,11 +380,13 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
 
 def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOConfig, *,
                      pad_id: int, device, seed: int, temperature: float, max_len: int,
-                     grad_clip: float) -> tuple[dict, dict, dict, float]:
+                     grad_clip: float, times: dict | None = None) -> tuple[dict, dict, dict, float]:
     """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
     the engine's sampling temperature and max_new_tokens. Returns (sums, maxima, minima) for the
-    step's metrics and the mean grad norm."""
+    step's metrics and the mean grad norm; `times["logprobs"]` gets the seconds spent in the
+    old-policy and reference passes before the first optimizer step."""
+    t = time.perf_counter()
     on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
@@ -394,6 +397,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
         fsdp_utils.onload(ref)
         ref_logp = sample_logprobs(ref, samples, g, pad_id, device, temperature)
         fsdp_utils.offload(ref)
+    if times is not None:
+        times["logprobs"] = time.perf_counter() - t
     sums, norms = {"clipped": 0.0, "entropy": 0.0, "loss_tokens": 0.0}, []
     shuffle = torch.Generator().manual_seed(seed)
     for epoch in range(g.ppo_epochs):

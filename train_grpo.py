@@ -174,9 +174,10 @@ def train(cfg: Config) -> dict:
                 actor, ref, opt, [gen["samples"][i] for i in mine], torch.tensor(gen["adv"])[mine],
                 g, pad_id=pad_id, device=device, temperature=cfg.rollout.temperature,
                 max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
-                seed=random.Random(f"{cfg.train.seed}/{step}/{rank}").getrandbits(48))
+                seed=random.Random(f"{cfg.train.seed}/{step}/{rank}").getrandbits(48),
+                times=times)  # times["logprobs"]: the old-policy and reference passes
             sched.step()
-            times["train"] = time.perf_counter() - t
+            times["train"] = time.perf_counter() - t - times["logprobs"]
             times["step"] = time.perf_counter() - t_step
 
             # 4) log: the step's metrics over all ranks; eval and checkpoints on their schedule

@@ -20,8 +20,8 @@ PANELS = [
     ("mean |engine - trainer| logprob", ["logp_gap"], True),
     ("importance ratio p_trainer / p_engine", ["is_ratio_min", "is_ratio_mean", "is_ratio_max"],
      False),
-    ("seconds per step", ["gen_time_s", "sync_time_s", "reward_time_s", "train_time_s",
-                          "sleep_time_s", "step_time_s"], True),
+    ("seconds per step", ["gen_time_s", "sync_time_s", "reward_time_s", "logprobs_time_s",
+                          "train_time_s", "sleep_time_s", "step_time_s"], True),
 ]
 
 

@@ -10,10 +10,10 @@ import torch
 from conftest import ROOT, launch
 
 KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s", "sync_time_s",
-        "train_time_s", "tokens_per_s", "reward_time_s", "logp_gap", "reward_errors", "entropy",
-        "clip_frac", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_above_cap_frac",
-        "seq_outside_cap_frac", "groups_constant", "groups_trained", "samples_trained",
-        "gen_rounds"}
+        "train_time_s", "logprobs_time_s", "tokens_per_s", "reward_time_s", "logp_gap",
+        "reward_errors", "entropy", "clip_frac", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
+        "is_above_cap_frac", "seq_outside_cap_frac", "groups_constant", "groups_trained",
+        "samples_trained", "gen_rounds"}
 
 
 def test_two_rank_run_learns(tmp_path):
