@@ -287,7 +287,9 @@ def logprob_head(model, targets, rows, temperature: float, chunk: int):
                                        tg[s:s + chunk], once, temperature, use_reentrant=False)
             parts.append(logp)
             found["entropy"] += entropy
-        return torch.cat(parts).view(*hidden.shape[:-1], 1)
+        # a copy, not a view of the concatenation: FSDP2 warns when the model's output is a view
+        # (an in-place op on it would skip its backward hooks); (tokens,) floats, a cheap copy
+        return torch.cat(parts).view(*hidden.shape[:-1], 1).clone()
 
     head.forward = types.MethodType(forward, head)
     try:

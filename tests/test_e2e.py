@@ -31,6 +31,7 @@ def test_two_rank_run_learns(tmp_path):
     import re
 
     assert "Failed to load weights" not in out
+    assert "returned a view tensor" not in out  # FSDP2, about the logprob head's output
     warnings = collections.Counter(re.sub(r"\d+", "#", line) for line in out.splitlines()
                                    if "warn" in line.lower())
     assert max(warnings.values(), default=0) < steps, warnings.most_common(3)
