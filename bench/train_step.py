@@ -1,20 +1,23 @@
 """Training throughput, packed vs padded micro-batches, and peak memory, chunked vs unchunked
-logprobs, through the trainer's own update (grpo.accumulate_gradients) on a random-init Qwen2
-built from a config (no download). Prints one JSON line.
+logprobs, through the trainer's own update (grpo.accumulate_gradients on the FSDP2 actor that
+fsdp_utils.build_actor makes) on a random-init Qwen2 built from a config (no download). Prints
+one JSON line.
 
-    python bench/train_step.py                       # CPU defaults: a 3.7M-parameter model
-    python bench/train_step.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --vocab 151936 \
-        --intermediate 4864 --samples 64 --dtype bfloat16   # Qwen2.5-0.5B's shapes, accelerator
+    python bench/train_step.py                       # CPU defaults: a 5.7M-parameter model
+    python bench/train_step.py --world 2             # the same batch over 2 ranks (torchrun)
+    python bench/train_step.py --shape qwen2.5-0.5b --samples 64 --dtype bfloat16  # accelerator
 
 The batch: `--samples` sequences whose lengths run from `--min-len` to 4x that (prompt of
-`--prompt` tokens included): `--shape uniform` spreads them evenly; `skewed` (the default) puts
+`--prompt` tokens included): `--lengths uniform` spreads them evenly; `skewed` (the default) puts
 most near the short end with a tail to the long one, as sampled responses are (GSM8K: most
 short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]. Each variant
-runs in a fresh process (a process's peak memory only grows):
-- packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens, forward and
-  backward, median of `--repeats` after one warm-up;
+runs in fresh processes (a process's peak memory only grows), `--world` of them under torchrun,
+rank r taking samples r, r + world, ... as the trainer splits a batch:
+- packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens over all
+  ranks, forward and backward, median of `--repeats` after one warm-up;
 - chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the step
-  above what the process held before it (accelerator: max_memory_allocated; CPU: peak RSS).
+  above what the process held before it, rank 0 (accelerator: max_memory_allocated; CPU: peak
+  RSS).
 """
 
 import argparse
@@ -29,6 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
+from common import add_model_args, model_from_args  # noqa: E402
 
 VARIANTS = {"packed": dict(pack=True, logprob_chunk=1024),
             "padded": dict(pack=False, logprob_chunk=1024),
@@ -38,7 +42,7 @@ VARIANTS = {"packed": dict(pack=True, logprob_chunk=1024),
 def run_one(args, variant: str) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp_utils
     import grpo
@@ -46,28 +50,25 @@ def run_one(args, variant: str) -> dict:
     from train_grpo import init_distributed
 
     npu_ops.setup_env()
-    init_distributed()
+    rank, world = init_distributed()
     device = npu_ops.local_device()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      intermediate_size=args.intermediate, tie_word_embeddings=True,
-                      max_position_embeddings=4 * args.min_len + 8)
-    attn = npu_ops.attention_implementation("auto")
-    attn = fsdp_utils.register_packed_sdpa() if attn == "sdpa" else attn
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,
-                                             dtype=getattr(torch, args.dtype)).to(device)
+    path = model_from_args(args, rank)
+    model = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=path, param_dtype=args.dtype),
+                                   init_device_mesh(npu_ops.device_type(), (world,)))
+    vocab = model.config.vocab_size
     n, lo = args.samples, args.min_len
     g = torch.Generator().manual_seed(1)
     x = [i / max(n - 1, 1) for i in range(n)]
-    lengths = [round(lo * (1 + 3 * t) if args.shape == "uniform" else lo * 4 ** (t * t)) for t in x]
-    samples = [Sample(torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist(),
-                      torch.randint(0, args.vocab, (length - args.prompt,), generator=g).tolist(),
+    lengths = [round(lo * (1 + 3 * t) if args.lengths == "uniform" else lo * 4 ** (t * t))
+               for t in x]
+    samples = [Sample(torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
+                      torch.randint(0, vocab, (length - args.prompt,), generator=g).tolist(),
                       [], False) for length in lengths]
     for s in samples:
         s.logp = [-1.0] * len(s.response_ids)
     adv = torch.randn(n, generator=g)
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)  # all ranks
+    samples, adv = samples[rank::world], adv[rank::world]  # this rank's share
     gcfg = grpo.GRPOConfig(micro_batch_tokens=args.micro_batch_tokens, **VARIANTS[variant])
 
     def step():
@@ -87,37 +88,43 @@ def run_one(args, variant: str) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - before["allocated"]
     else:
         peak = after["peak"] - before["allocated"]
+    n_params = sum(p.numel() for p in model.parameters())
     dist.destroy_process_group()
-    return {"variant": variant, "tokens": tokens, "tokens_per_s": tokens / statistics.median(times),
-            "step_s": statistics.median(times), "peak_gb_above_start": peak}
+    return {"variant": variant, "tokens": tokens, "params_m": round(n_params / 1e6, 1),
+            "tokens_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
+            "peak_gb_above_start": peak}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default in (("hidden", 256), ("layers", 2), ("heads", 4), ("kv-heads", 2),
-                          ("vocab", 16384), ("intermediate", 704), ("samples", 16),
-                          ("prompt", 32), ("min-len", 96), ("micro-batch-tokens", 8192),
-                          ("repeats", 3)):
+    add_model_args(p, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=704, vocab=16384,
+                   tie=1)
+    for name, default in (("samples", 16), ("prompt", 32), ("min-len", 96),
+                          ("micro-batch-tokens", 8192), ("repeats", 3), ("world", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--shape", choices=["skewed", "uniform"], default="skewed")
+    p.add_argument("--lengths", choices=["skewed", "uniform"], default="skewed")
     p.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_one(args, args.one)))
+        result = run_one(args, args.one)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
+    launch = ([sys.executable] if args.world == 1 else
+              [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}"])
     results = {}
-    for variant in VARIANTS:  # each in a fresh process: peak memory is per process
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", variant],
+    for variant in VARIANTS:  # each in fresh processes: peak memory is per process
+        out = subprocess.run([*launch, __file__, *sys.argv[1:], "--one", variant],
                              capture_output=True, text=True, check=True,
                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                                  "OMP_NUM_THREADS", "2")})
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     pk, pd, un = results["packed"], results["padded"], results["unchunked"]
     print(json.dumps({
-        "device": npu_ops.device_type(), "model": {k: getattr(args, k) for k in (
-            "hidden", "layers", "vocab", "dtype")}, "samples": args.samples,
-        "lengths": [args.min_len, 4 * args.min_len], "shape": args.shape,
+        "device": npu_ops.device_type(), "world": args.world, "params_m": pk["params_m"],
+        "dtype": args.dtype, "samples": args.samples,
+        "lengths": [args.min_len, 4 * args.min_len], "shape": args.lengths,
         "tokens": pk["tokens"], "packed_tokens_per_s": round(pk["tokens_per_s"]),
         "padded_tokens_per_s": round(pd["tokens_per_s"]),
         "packed_speedup": round(pk["tokens_per_s"] / pd["tokens_per_s"], 2),

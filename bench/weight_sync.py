@@ -3,10 +3,11 @@ one JSON line (rank 0).
 
     torchrun --nproc_per_node 2 bench/weight_sync.py            # 1024 x 9 layers: 105M params
     python bench/weight_sync.py                                 # world size 1
-    torchrun --nproc_per_node 8 bench/weight_sync.py --hidden 896 --layers 24 --dtype bfloat16
+    torchrun --nproc_per_node 8 bench/weight_sync.py --shape qwen2.5-0.5b --dtype bfloat16
 
-push: `weight_sync.push` into the engine, as the trainer does it (wake, gather unit by unit, cast,
-load into the engine's storage, prefix-cache reset); best of `--repeats` after one warm-up.
+push: `weight_sync.push` into the engine, as the trainer does it (wake, gather one tensor at a
+time, cast, load into the engine's storage, prefix-cache reset); best of `--repeats` after one
+warm-up.
 floor, measured in the same run on the same process group: a bare all-gather of the same bytes
 (every rank's shard of every parameter, in one collective) plus one plain copy of all the bytes,
 what any push must at least do. ratio = push / floor.
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import fsdp_utils  # noqa: E402
 import rollout  # noqa: E402
 import weight_sync  # noqa: E402
-from sync_and_generate import random_qwen2  # noqa: E402
+from common import add_model_args, model_from_args  # noqa: E402
 from train_grpo import init_distributed  # noqa: E402
 
 
@@ -46,14 +47,13 @@ def best_time(fn, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=9)
+    add_model_args(p, hidden=1024, layers=9)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     npu_ops.setup_env()
     rank, world = init_distributed()
-    path = random_qwen2(args.hidden, args.layers, rank)
+    path = model_from_args(args, rank)
     engine = rollout.Engine(rollout.RolloutConfig(dtype=args.dtype, max_model_len=256,
                                                   kv_cache_memory_bytes=64 << 20,
                                                   max_new_tokens=4), path, tp_group_index=rank)

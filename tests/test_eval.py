@@ -1,6 +1,5 @@
 """Eval numbers against a hand count: pass@1 over greedy answers, mean@k over sampled ones."""
 
-import torch
 import torch.distributed as dist
 
 import rewards

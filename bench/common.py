@@ -1,0 +1,67 @@
+"""Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download.
+
+`SHAPES` names real models' shapes; `random_qwen2` writes one (fp32 weights, the tiny task's
+tokenizer, padded with extra tokens to the model's vocabulary so every id the engine samples
+decodes) once under the temp dir, and returns its directory.
+"""
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# the models' config.json (Qwen/Qwen2.5-0.5B, -1.5B); head_dim = hidden / heads = 64 and 128
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
+                         vocab=151936, tie=1),
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
+                         vocab=151936, tie=1),
+}
+ARGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tie")
+
+
+def add_model_args(parser, **defaults: int) -> None:
+    """--shape NAME, or --hidden, --layers, ... (`defaults`; any other 0: random_qwen2's)."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a real model's shapes")
+    for name in ARGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=defaults.get(name, 0))
+
+
+def model_from_args(args, rank: int) -> str:
+    """The random model that the parsed arguments describe (see add_model_args)."""
+    shape = SHAPES[args.shape] if args.shape else {k: getattr(args, k) for k in ARGS}
+    return random_qwen2(rank=rank, **shape)
+
+
+def random_qwen2(hidden: int, layers: int, rank: int, heads: int = 0, kv_heads: int = 0,
+                 intermediate: int = 0, vocab: int = 0, tie: int = 0) -> str:
+    """A random-init Qwen2 of that size, written by rank 0 and reused; every rank must call (a
+    barrier when a process group exists). heads 0: head_dim 128; kv_heads 0: heads / 4;
+    intermediate 0: 3 x hidden; vocab 0: the tokenizer's own size; tie 1: tied embeddings."""
+    import torch.distributed as dist
+
+    heads = heads or hidden // 128
+    kv_heads, intermediate = kv_heads or max(1, heads // 4), intermediate or 3 * hidden
+    name = f"bench_qwen2_{hidden}x{layers}_h{heads}kv{kv_heads}i{intermediate}v{vocab}t{tie}"
+    root = os.path.join(tempfile.gettempdir(), name)
+    if rank == 0 and not os.path.exists(os.path.join(root, "READY")):
+        import tiny_task
+        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+        tiny = tiny_task.ensure_tiny_task(os.path.join(tempfile.gettempdir(), "bench_tiny_task"))
+        tok = AutoTokenizer.from_pretrained(os.path.join(tiny, "model"))
+        if vocab > len(tok):  # ids the random model may sample must decode
+            tok.add_tokens([f"<v{i}>" for i in range(vocab - len(tok))])
+        cfg = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden,
+                          intermediate_size=intermediate, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          head_dim=hidden // heads, max_position_embeddings=4096,
+                          tie_word_embeddings=bool(tie), eos_token_id=tok.eos_token_id)
+        Qwen2ForCausalLM(cfg).save_pretrained(os.path.join(root, "model"))
+        tok.save_pretrained(os.path.join(root, "model"))
+        open(os.path.join(root, "READY"), "w").close()
+    if dist.is_initialized():
+        dist.barrier()
+    return os.path.join(root, "model")
