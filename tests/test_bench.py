@@ -1,0 +1,23 @@
+"""bench/step.py end to end on 2 ranks: the trainer's loop with the floor beside each rollout."""
+
+import json
+
+from conftest import launch
+
+
+def test_step_bench_forces_full_length_and_times_every_phase(tiny_task_dir):
+    out = launch(["bench/step.py", "--steps", "2", f"--data.tiny_task_dir={tiny_task_dir}"])
+    line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    # tiny_cpu.yaml: 64 prompts x 8 samples over 2 engines, 4 new tokens each. Without the
+    # forced length, the tiny model stops early (EOS) in most samples and these counts fall.
+    assert line["world"] == 2 and line["steps_measured"] == 1
+    assert line["response_tokens"] == [32 * 8 * 4] and line["floor_response_tokens"] == [1024]
+    sec = line["seconds"]
+    assert all(sec[k] > 0 for k in ("generate", "floor", "sync", "reward", "train", "step"))
+    assert sec["logprobs"] == 0  # on-policy, no reference: no extra logprob pass
+    parts = sum(sec[k] for k in ("generate", "sync", "reward", "sleep", "logprobs", "train"))
+    assert parts <= sec["step"]  # the phases lie inside the step, floor excluded
+    # one measured step: the ratio is that step's; the seconds are rounded to 1e-4, the ratio
+    # to 1e-3, which bounds their disagreement
+    g, f, r = sec["generate"], sec["floor"], line["generate_over_floor"]
+    assert abs(r - g / f) <= (g / f) * (5e-5 / g + 5e-5 / f) + 5e-4
