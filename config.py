@@ -170,6 +170,7 @@ def validate(cfg, world_size: int) -> None:
          f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
          f"({r.max_new_tokens}); got {g.overlong_buffer}")
     need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
+    need(r.sync_by in ("tensor", "unit"), f"rollout.sync_by='{r.sync_by}': use unit or tensor")
     need(cfg.model.offload in ("auto", "on", "off"),
          f"model.offload='{cfg.model.offload}': use auto, on or off")
     need(cfg.optim.schedule in ("constant", "cosine"),
@@ -179,6 +180,10 @@ def validate(cfg, world_size: int) -> None:
         sec, key = name.split(".")
         need(isinstance(getattr(torch, getattr(getattr(cfg, sec), key), None), torch.dtype),
              f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
+    compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, r.dtype))
+    need(r.sync_by == "tensor" or compute >= engine,
+         f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which would "
+         f"round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the same dtypes")
     npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
     npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
     rewards.validate(cfg.reward)  # every reward function resolves, in this process

@@ -44,6 +44,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 512
     seed: int = 0  # per engine group: seed + index of the tensor-parallel group
+    sync_by: str = "unit"  # weight sync: one all-gather per FSDP "unit" or per "tensor"
     seed_per_step: bool = False  # seed every request from (seed, step): reproducible runs and
     #   bit-exact resume, but vLLM then samples with per-request generators (3x slower on CPU)
 

@@ -71,6 +71,8 @@ def test_shipped_config_loads():
     ("--model.fused_kernels=fast", 1, "model.fused_kernels='fast'"),
     ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs torch_npu"),
     ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),
+    ("--rollout.sync_by=layer", 1, "rollout.sync_by='layer': use unit or tensor"),
+    ("--model.param_dtype=bfloat16", 1, "rollout.sync_by=unit gathers in model.param_dtype=bf"),
     ("--grpo.loss_agg=seq_sum", 1, "grpo.loss_agg='seq_sum': use one of"),
     ("--grpo.kl_estimator=k4", 1, "grpo.kl_estimator='k4'"),
     ("--grpo.is_correction=clip", 1, "grpo.is_correction='clip'"),

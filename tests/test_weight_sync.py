@@ -1,4 +1,4 @@
-"""weight_sync.push on a plain (unsharded) model with a recording engine: order, names, dtype."""
+"""weight_sync.push with a recording engine: order, names, dtype, on a plain and an FSDP2 model."""
 
 import torch
 
@@ -141,3 +141,37 @@ def test_only_the_rotary_reload_warning_is_dropped():
     assert seen == ["QKVParallelLinear: Failed to load weights",
                     "something else about RotaryEmbedding"]
     assert len(logger.filters) == 1
+
+
+def test_units_and_both_gathers_of_an_fsdp_model(tiny_models, tmp_path):
+    """weight_sync.units: the root's own tensors, then one unit per decoder layer, every parameter
+    once. Both ways of gathering (sync_by tensor, unit) send every tensor whole, in the engine's
+    dtype (bf16 here, cast from the fp32 shards), bit-equal to the gathered parameter cast. The
+    2-rank sync test counts the collectives."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_utils
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=tiny_models["qwen2"],
+                                                              param_dtype="float32"),
+                                       init_device_mesh("cpu", (1,)))
+        groups = weight_sync.units(model)
+        layers = model.config.num_hidden_layers
+        assert [unit for unit, _ in groups] == [model, *model.model.layers]
+        assert {n for _, names in groups for n in names} == {n for n, _ in model.named_parameters()}
+        assert [len(names) for _, names in groups][1:] == [
+            len(list(model.model.layers[0].parameters()))] * layers
+        for sync_by in ("tensor", "unit"):
+            engine = RecordingEngine("bfloat16")
+            engine.cfg.sync_by = sync_by
+            weight_sync.push(model, engine)
+            assert set(engine.received) == {n for n, _ in model.named_parameters()} | {
+                "lm_head.weight"}  # the tiny model ties its embeddings
+            for name, p in model.named_parameters():
+                expected = p.full_tensor().to(torch.bfloat16)
+                assert torch.equal(engine.received[name], expected), (sync_by, name)
+    finally:
+        dist.destroy_process_group()

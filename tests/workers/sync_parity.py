@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
@@ -54,8 +55,15 @@ for round_ in range(3):
         (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
         opt.step()
         opt.zero_grad()
+    # rounds 0 and 2 gather one tensor at a time; round 1 one FSDP unit at a time, which FSDP2
+    # does in one collective per unit (the root, each decoder layer), counted here
+    engine.cfg.sync_by = "unit" if round_ == 1 else "tensor"
+    gathers, real_gather = [], _fsdp_param_group.foreach_all_gather
+    _fsdp_param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or real_gather(*a, **k)
     stats = weight_sync.push(actor, engine)
+    _fsdp_param_group.foreach_all_gather = real_gather
     assert stats["bytes"] > 0
+    assert len(gathers) == (actor.config.num_hidden_layers + 1 if round_ == 1 else 0), gathers
 
     engine_lp = engine.score(probe)
     with torch.no_grad():
