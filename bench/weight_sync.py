@@ -5,12 +5,12 @@ one JSON line (rank 0).
     python bench/weight_sync.py                                 # world size 1
     torchrun --nproc_per_node 8 bench/weight_sync.py --shape qwen2.5-0.5b --dtype bfloat16
 
-push: `weight_sync.push` into the engine, as the trainer does it (wake, gather one tensor at a
-time, cast, load into the engine's storage, prefix-cache reset); best of `--repeats` after one
-warm-up.
+push: `weight_sync.push` into the engine, as the trainer does it (wake, gather, cast, load into
+the engine's storage, prefix-cache reset), both ways of gathering (`rollout.sync_by`: one
+all-gather per tensor, and one per FSDP unit, the default); best of `--repeats` after one warm-up.
 floor, measured in the same run on the same process group: a bare all-gather of the same bytes
 (every rank's shard of every parameter, in one collective) plus one plain copy of all the bytes,
-what any push must at least do. ratio = push / floor.
+what any push must at least do. ratio = push / floor (unit_ratio: the same for "unit").
 """
 
 import argparse
@@ -66,7 +66,10 @@ def main() -> None:
         sent.update(weight_sync.push(actor, engine))
         engine.sleep()
 
+    engine.cfg.sync_by = "tensor"
     push_s = best_time(push, args.repeats)
+    engine.cfg.sync_by = "unit"
+    unit_s = best_time(push, args.repeats)
     dtype, device = getattr(torch, args.dtype), npu_ops.local_device()
     shard = torch.tensor(sum(p.to_local().numel() for p in actor.parameters()))
     dist.all_reduce(shard, op=dist.ReduceOp.MAX)  # shards differ a little; FSDP gathers padded
@@ -88,7 +91,8 @@ def main() -> None:
             "params_m": round(sum(p.numel() for p in actor.parameters()) / 1e6, 1),
             "gb": round(sent["bytes"] / 2**30, 3), "push_s": round(push_s, 3),
             "push_gb_per_s": round(sent["bytes"] / 2**30 / push_s, 2),
-            "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2)}), flush=True)
+            "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2),
+            "unit_s": round(unit_s, 3), "unit_ratio": round(unit_s / floor_s, 2)}), flush=True)
     engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
