@@ -41,6 +41,15 @@ def test_resume_matches_uninterrupted_run(tiny_task_dir, tmp_path):
         assert torch.allclose(wa[name], wb[name], atol=1e-6, rtol=0), name
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
     """A run killed with SIGKILL while writing its step-4 checkpoint leaves step 2's complete,
     and --train.resume=true continues from it."""
@@ -60,8 +69,15 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
             assert proc.poll() is None, open(tmp_path / "log").read()[-4000:]
             assert time.time() < deadline, "the step-4 checkpoint was never reached"
             time.sleep(0.2)
+        ranks = [int(open(f"{marker}.{r}").read()) for r in (0, 1)]
+        for pid in ranks:  # the crash: every rank, then torchrun
+            os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        deadline = time.time() + 30
+        while any(running(pid) for pid in ranks):  # gone, not left sleeping for an hour
+            assert time.time() < deadline, "a rank survived SIGKILL"
+            time.sleep(0.1)
     ckpts = out / "checkpoints"
     assert (ckpts / "step_000004.tmp").is_dir()  # the write really was cut short
     assert not (ckpts / "step_000004").exists()

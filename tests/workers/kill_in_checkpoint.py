@@ -1,7 +1,8 @@
 """The trainer as torchrun runs it, except that the checkpoint of step KILL_STEP stops after its
 shards are written, before it is complete, and waits there to be killed (a crash mid-write).
 Usage: torchrun ... tests/workers/kill_in_checkpoint.py MARKER KILL_STEP [train_grpo.py args]
-Each rank touches MARKER.<rank> once it is waiting.
+Each rank writes its process id into MARKER.<rank> once it is waiting (torchrun starts each rank
+in a session of its own, so killing torchrun's process group leaves the ranks running).
 """
 
 import os
@@ -19,7 +20,9 @@ real_save = dcp.save
 def save_then_wait(state, checkpoint_id):
     real_save(state, checkpoint_id=checkpoint_id)
     if os.path.basename(checkpoint_id.rstrip("/")) == f"step_{kill_step:06d}.tmp":
-        open(f"{marker}.{os.environ['RANK']}", "w").close()
+        with open(f"{marker}.{os.environ['RANK']}.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(f"{marker}.{os.environ['RANK']}.tmp", f"{marker}.{os.environ['RANK']}")
         time.sleep(3600)
 
 
