@@ -121,13 +121,17 @@ class Engine:
         # logprobs=0: the sampled token's only. flat_logprobs, detokenize=False: the logprobs
         # come back as flat lists, and no text (the trainer decodes once, for the rewards).
         # Measured on CPU (bench/step.py): per-token dicts and decoded logprob tokens made
-        # generation 1.5x the bare LLM.generate; this way ~1.05x. Both options exist in vLLM
+        # generation 1.5x the bare LLM.generate; this way 1.1-1.2x. Both options exist in vLLM
         # 0.23, 0.26 and 0.32 (sampling_params.py); no stop strings here, which need the text.
-        params = [SamplingParams(
-            n=n, temperature=0.0 if greedy else self.cfg.temperature,
-            top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens, logprobs=0,
-            flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos,
-            seed=None if seed is None else seed + i * n) for i in range(len(prompt_ids))]
+        # One SamplingParams for all prompts unless each needs its own seed.
+        def sampling(i: int):
+            return SamplingParams(
+                n=n, temperature=0.0 if greedy else self.cfg.temperature,
+                top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
+                logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos,
+                seed=None if seed is None else seed + i * n)
+
+        params = sampling(0) if seed is None else [sampling(i) for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=False)
         samples = []
