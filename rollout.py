@@ -229,7 +229,7 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
     layer, after that layer's last tensor. We call the model runner, not the worker's method of
     the same name, because vLLM-Ascend 0.23's NPUWorker lacks the latter while its model runner
     inherits vLLM's. The iterator is consumed lazily in this process (external launcher), so the
-    caller can gather one tensor at a time and never hold a second copy of the model.
+    caller can gather one layer at a time and never hold a second copy of the model.
     Never reload with no iterator: that reads the checkpoint from disk, i.e. the base model.
     """
     import vllm
