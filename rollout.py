@@ -122,7 +122,9 @@ class Engine:
         # come back as flat lists, and no text (the trainer decodes once, for the rewards).
         # Measured on CPU (bench/step.py): per-token dicts and decoded logprob tokens made
         # generation 1.5x the bare LLM.generate; this way 1.1-1.2x. Both options exist in vLLM
-        # 0.23, 0.26 and 0.32 (sampling_params.py); no stop strings here, which need the text.
+        # 0.23, 0.26 and 0.32 (sampling_params.py; FlatLogprobs in logprobs.py, filled by
+        # v1/engine/logprobs.py with the sampled token first at each position: with logprobs=0
+        # the only one). No stop strings here, which need the text.
         # One SamplingParams for all prompts unless each needs its own seed.
         def sampling(i: int):
             return SamplingParams(
