@@ -160,15 +160,16 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` in host memory, pinned on accelerators (faster copies both ways; a DTensor's
-    local shard is pinned; not run here). A copy on CPU too: an offload is a real round trip."""
-    out = t.detach().to("cpu", copy=True)
-    if npu_ops.device_type() != "cpu":
-        local = getattr(out, "_local_tensor", None)
-        out = (out.pin_memory() if local is None else type(out).from_local(
-            local.pin_memory(), out.device_mesh, out.placements, shape=out.shape,
-            stride=out.stride()))
-    return out
+    """A copy of `t` (a DTensor: of its local shard, wrapped again) in host memory, written once
+    into a buffer allocated pinned on accelerators (faster copies both ways; pinning is not run
+    here). A copy on CPU too, through the same code: an offload is a real round trip."""
+    local = getattr(t, "_local_tensor", None)
+    src = (t if local is None else local).detach()
+    out = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                      pin_memory=npu_ops.device_type() != "cpu")
+    out.copy_(src)
+    return out if local is None else type(t).from_local(
+        out, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
 
 
 def offload(model: torch.nn.Module) -> None:
