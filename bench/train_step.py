@@ -15,15 +15,14 @@ runs in fresh processes (a process's peak memory only grows), `--world` of them 
 rank r taking samples r, r + world, ... as the trainer splits a batch:
 - packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens over all
   ranks, forward and backward, median of `--repeats` after one warm-up;
-- chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the step
-  above what the process held before it, rank 0 (accelerator: max_memory_allocated; CPU: peak
-  RSS).
+- chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the steps
+  above what the process held before them, rank 0 (accelerator: max_memory_allocated; CPU: the
+  resident-memory high-water mark, reset before the steps).
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,24 @@ from common import add_model_args, model_from_args  # noqa: E402
 VARIANTS = {"packed": dict(pack=True, logprob_chunk=1024),
             "padded": dict(pack=False, logprob_chunk=1024),
             "unchunked": dict(pack=True, logprob_chunk=10**9)}
+
+
+def reset_peak() -> None:
+    """Start the peak afresh: the device allocator's, or on CPU the process's resident-memory
+    high-water mark (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    if npu_ops.device_type() == "cpu":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    else:
+        npu_ops.device_module().reset_peak_memory_stats()
+
+
+def peak_gb() -> float:
+    """The peak since reset_peak, in GiB: max_memory_allocated, or on CPU VmHWM."""
+    if npu_ops.device_type() != "cpu":
+        return npu_ops.memory_gb()["peak"]
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
 
 
 def run_one(args, variant: str) -> dict:
@@ -76,18 +93,15 @@ def run_one(args, variant: str) -> dict:
         grpo.accumulate_gradients(model, samples, adv, None, None, gcfg, 0, device, 1.0, 4 * lo)
         npu_ops.synchronize()
 
-    before = npu_ops.memory_gb()
+    before = npu_ops.memory_gb()["allocated"]
+    reset_peak()  # the peak of the steps, not of loading the model
     step()  # warm-up
     times = []
     for _ in range(args.repeats):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    after = npu_ops.memory_gb()
-    if npu_ops.device_type() == "cpu":  # peak RSS over the process; its size before the steps
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - before["allocated"]
-    else:
-        peak = after["peak"] - before["allocated"]
+    peak = peak_gb() - before
     n_params = sum(p.numel() for p in model.parameters())
     dist.destroy_process_group()
     return {"variant": variant, "tokens": tokens, "params_m": round(n_params / 1e6, 1),
@@ -112,19 +126,20 @@ def main() -> None:
             print(json.dumps(result))
         return
     launch = ([sys.executable] if args.world == 1 else
-              [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}"])
+              [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.world}"])
     results = {}
     for variant in VARIANTS:  # each in fresh processes: peak memory is per process
         out = subprocess.run([*launch, __file__, *sys.argv[1:], "--one", variant],
                              capture_output=True, text=True, check=True,
-                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
-                                 "OMP_NUM_THREADS", "2")})
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get(  # a core
+                                 "OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.world)))})
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     pk, pd, un = results["packed"], results["padded"], results["unchunked"]
     print(json.dumps({
         "device": npu_ops.device_type(), "world": args.world, "params_m": pk["params_m"],
         "dtype": args.dtype, "samples": args.samples,
-        "lengths": [args.min_len, 4 * args.min_len], "shape": args.lengths,
+        "lengths": [args.min_len, 4 * args.min_len], "spread": args.lengths,
         "tokens": pk["tokens"], "packed_tokens_per_s": round(pk["tokens_per_s"]),
         "padded_tokens_per_s": round(pd["tokens_per_s"]),
         "packed_speedup": round(pk["tokens_per_s"] / pd["tokens_per_s"], 2),
