@@ -7,6 +7,7 @@ Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts
 """
 
 import glob
+import itertools
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import random
 import re
 import shutil
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -152,72 +154,121 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     return model
 
 
-# Parking a sharded model in host memory (the frozen reference between its passes, the actor while
-# the engine generates): FSDPModule._apply replaces each rank's shards and re-registers them, so a
-# park costs one device -> host copy of the shard and coming back one host -> device copy. Each
-# move makes a copy even on CPU, where host and device memory are one, so the CPU tests see a real
-# round trip. The memory it frees on an accelerator is unmeasured (none lent to this project yet).
+# Parking a sharded model in host memory (the frozen reference between its passes; the actor and
+# its optimizer state while the engine generates). The tensors stay the same objects: only the
+# device storage behind them moves. `out` copies each storage into a host buffer and resizes the
+# storage to 0 bytes, which frees its device memory (FSDP2 frees its gathered parameters the
+# same way); `back` resizes it again and copies the bytes in. So nothing is rebuilt: rebuilding a
+# DTensor around a host copy puts it back on its mesh's device (DTensor.from_local moves the local
+# tensor there), which is how an earlier version of this code freed nothing on accelerators. One
+# storage holds a parameter's padded FSDP2 shard (`_sharded_param_data`) and the local tensor that
+# views it, so both go at once. The host buffers are pinned on accelerators and kept from one move
+# to the next.
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` (a DTensor: of its local shard, wrapped again) in host memory, written once
-    into a buffer allocated pinned on accelerators (faster copies both ways; pinning is not run
-    here). A copy on CPU too, through the same code: an offload is a real round trip."""
-    local = getattr(t, "_local_tensor", None)
-    src = (t if local is None else local).detach()
-    out = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                      pin_memory=npu_ops.device_type() != "cpu")
-    out.copy_(src)
-    return out if local is None else type(t).from_local(
-        out, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+def device_tensors(model: torch.nn.Module, optimizer=None) -> dict:
+    """{key: tensor} of what a park moves: each parameter's local shard, each buffer, and each
+    optimizer state tensor (Adam's moments), where it lives on the compute device. Keys are stable
+    from step to step, so that each keeps its host buffer."""
+    kind = npu_ops.device_type()
+    found = {}
+    with torch.no_grad():
+        for i, t in enumerate(itertools.chain(model.parameters(), model.buffers())):
+            found["model", i] = t.to_local() if hasattr(t, "to_local") else t
+        for i, state in enumerate(optimizer.state.values() if optimizer is not None else ()):
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    found["optim", i, k] = v.to_local() if hasattr(v, "to_local") else v
+    return {k: t for k, t in found.items() if t.device.type == kind}
 
 
-def offload(model: torch.nn.Module) -> None:
-    """Move this rank's shards (and buffers) into host memory and release the device cache."""
-    model._apply(host_copy)
-    npu_ops.empty_cache()
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A (nbytes,) uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostPark:
+    """The device storage of a model's tensors (and its optimizer's state) in host buffers while
+    parked. See the comment above for how; `out` then releases the device's cached blocks."""
+
+    def __init__(self):
+        self.host = {}  # key -> uint8 host buffer, allocated at the first park, reused after
+        self.away = []  # [(storage, host buffer)] while parked
+        self.guard = None  # while parked: a forward pre-hook that refuses to run the model
+
+    def out(self, model: torch.nn.Module, optimizer=None) -> None:
+        if self.away:
+            return
+        pin = npu_ops.device_type() != "cpu"  # faster copies both ways (no pinning on CPU)
+        seen = set()
+        for key, t in device_tensors(model, optimizer).items():
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, or shared (tied)
+                continue
+            seen.add(storage.data_ptr())
+            buf = self.host.get(key)
+            if buf is None or buf.numel() != storage.nbytes():
+                buf = self.host[key] = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                                   pin_memory=pin)
+            buf.copy_(_as_bytes(storage), non_blocking=pin)
+            self.away.append((storage, buf))
+        npu_ops.synchronize()  # the copies are done before the memory is given back
+        for storage, _ in self.away:
+            storage.resize_(0)
+        npu_ops.empty_cache()
+        self.guard = model.register_forward_pre_hook(_refuse_parked, prepend=True)  # before FSDP2
+
+    def back(self) -> None:
+        for storage, buf in self.away:
+            storage.resize_(buf.numel())
+            _as_bytes(storage).copy_(buf, non_blocking=buf.is_pinned())
+        self.away = []
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+
+
+def _refuse_parked(module, args):
+    # a parked model's tensors own no bytes: running it would read freed memory
+    raise RuntimeError("this model is parked in host memory (fsdp_utils.offload): call "
+                       "fsdp_utils.onload(model) before running it")
+
+
+_PARKS = weakref.WeakKeyDictionary()  # model -> its HostPark (host buffers kept between parks)
+
+
+def offload(model: torch.nn.Module, optimizer=None) -> None:
+    """Park the model's device storage (and its optimizer's state) in host memory."""
+    _PARKS.setdefault(model, HostPark()).out(model, optimizer)
 
 
 def onload(model: torch.nn.Module) -> None:
-    """Bring the shards back to this rank's device: copies of the host copies."""
-    device = npu_ops.local_device()
-    model._apply(lambda t: t.to(device, copy=True))
+    """Bring back what `offload` parked, bit for bit, into the same tensors."""
+    if model in _PARKS:
+        _PARKS[model].back()
 
 
 class ActorSwap:
     """The actor's parameter shards and optimizer state out of device memory while the engine
-    generates (`out`: into host copies, the device cache released, so the engine's KV cache can
-    take the memory) and back before the update (`back`: copies of those host copies). Gradients
-    are None between steps. Each move is timed, and on accelerators the device memory in use
-    before and after it goes into `metrics`. Off: both do nothing."""
+    generates (`out`, so that the engine's KV cache can take the memory) and back before the
+    update (`back`). Gradients are None between steps. Each move is timed, and on accelerators the
+    device memory in use before and after it goes into `metrics`. Off: both do nothing."""
 
     def __init__(self, model, optimizer, enabled: bool):
         self.model, self.optimizer, self.enabled = model, optimizer, enabled
-        self.away, self.stats = None, {}
+        self.stats = {}
 
     def out(self) -> None:
-        if not self.enabled:
-            return
-        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-        self.away = {}  # (param index, key) -> the device each optimizer state tensor came from
-        for i, state in enumerate(self.optimizer.state.values()):
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    self.away[i, k], state[k] = v.device, host_copy(v)
-        offload(self.model)  # the shards, then the device cache
-        self._record("switch_out", t, before)
+        if self.enabled:
+            t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+            offload(self.model, self.optimizer)
+            self._record("switch_out", t, before)
 
     def back(self) -> None:
-        if not self.enabled or self.away is None:
-            return
-        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-        onload(self.model)
-        for i, state in enumerate(self.optimizer.state.values()):
-            for k, v in state.items():
-                if (i, k) in self.away:  # AdamW's step counter stays where it was (on the host)
-                    state[k] = v.to(self.away[i, k], copy=True)
-        self.away = None
-        self._record("switch_in", t, before)
+        if self.enabled:
+            t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+            onload(self.model)
+            self._record("switch_in", t, before)
 
     def _record(self, name: str, t: float, before) -> None:
         self.stats[f"{name}_time_s"] = time.perf_counter() - t

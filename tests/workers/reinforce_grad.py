@@ -55,7 +55,14 @@ def hf_logp(s):
     return torch.stack([lp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids)])
 
 
-# the reference: FSDP2, frozen, parked off the accelerator; same logprobs as the HF model
+# the reference: FSDP2, frozen, parked off the accelerator (running it parked is refused, not a
+# read of freed memory); brought back, the same logprobs as the HF model
+try:
+    ref_model(torch.tensor([[3, 4]]))
+    raise AssertionError("a parked model ran")
+except RuntimeError as e:
+    assert "parked" in str(e)
+fsdp_utils.onload(ref_model)
 ref_lp = grpo.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
                               cfg.rollout.temperature)
 with torch.no_grad():
