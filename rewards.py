@@ -121,7 +121,8 @@ class RewardConfig:
 
     funcs: list[str] = field(default_factory=lambda: ["tiny_sum"])  # REWARDS key, mod:fn, a.py:fn
     weights: list[float] = field(default_factory=list)  # one per func (empty: 1.0 each); summed
-    timeout_s: float = 10.0  # time limit of one reward call on one sample (a cut call scores 0)
+    timeout_s: float = 10.0  # time limit of one reward call on one sample (a cut call scores 0);
+    #   0: call the functions in this process, no time limit (breakpoint() works in a reward)
 
 
 def _one_line(e: BaseException) -> str:
@@ -196,8 +197,9 @@ def validate(cfg: RewardConfig) -> None:
     if weights and len(weights) != len(funcs):
         raise ValueError(f"reward.weights: {len(weights)} weights for {len(funcs)} funcs. "
                          "Fix: give one weight per function, or none (1.0 each).")
-    if not cfg.timeout_s > 0:
-        raise ValueError(f"reward.timeout_s: {cfg.timeout_s} is not > 0. Fix: e.g. 10.0 (seconds).")
+    if not cfg.timeout_s >= 0:
+        raise ValueError(f"reward.timeout_s: {cfg.timeout_s} is negative. Fix: e.g. 10.0 "
+                         "(seconds), or 0 to call the rewards in this process.")
 
 
 def _worker(conn, specs: list[str], parent_pid: int) -> None:
@@ -223,21 +225,25 @@ def _worker(conn, specs: list[str], parent_pid: int) -> None:
             texts, examples, j0 = job
             for i, (text, example) in enumerate(zip(texts, examples)):
                 for j in range(j0 if i == 0 else 0, len(fns)):
-                    try:
-                        v = fns[j](text, example)
-                        if not (isinstance(v, numbers.Real) and isfinite(v)):
-                            raise TypeError(f"returned {v!r}, not a finite number")
-                        v = float(v)
-                    except Exception:
-                        v = None
-                        if j not in shown:  # once per function, so that a broken one is seen
-                            shown.add(j)
-                            print(f"reward {specs[j]!r} failed; scored 0 and counted (shown once):",
-                                  file=sys.stderr)
-                            traceback.print_exc()
-                    conn.send(v)
+                    conn.send(_call(fns[j], specs[j], text, example, shown))
     except (EOFError, OSError):  # the parent is gone
         pass
+
+
+def _call(fn, spec: str, text: str, example: dict, shown: set):
+    """fn(text, example) as a float, or None if it raised or returned no finite number (with its
+    traceback on stderr the first time for each function)."""
+    try:
+        v = fn(text, example)
+        if not (isinstance(v, numbers.Real) and isfinite(v)):
+            raise TypeError(f"returned {v!r}, not a finite number")
+        return float(v)
+    except Exception:
+        if spec not in shown:  # once per function, so that a broken one is seen
+            shown.add(spec)
+            print(f"reward {spec!r} failed; scored 0 and counted (shown once):", file=sys.stderr)
+            traceback.print_exc()
+        return None
 
 
 def _stop(proc, conn) -> None:
@@ -250,7 +256,9 @@ class Scorer:
     """Scores samples with the `reward:` functions in one persistent worker process, started on
     first use. A call that hangs is cut at timeout_s (the worker is killed and restarted); one
     that raises, returns a non-finite or non-number value, or kills the worker is counted; both
-    score 0. Use as a context manager, or call close()."""
+    score 0. With timeout_s 0 the functions run in this process instead, with no time limit:
+    the same scores, and a breakpoint() in a reward stops there. Use as a context manager, or
+    call close()."""
 
     START_TIMEOUT_S = 120.0  # for a worker to start and import the plugins (no call's time)
 
@@ -258,6 +266,8 @@ class Scorer:
         validate(cfg)
         self.specs, self.timeout_s = list(cfg.funcs), cfg.timeout_s
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
+        self._fns = [resolve(s) for s in self.specs] if self.timeout_s == 0 else None
+        self._shown = set()  # in-process: the functions whose failure was shown
         self._proc = self._conn = self._finalizer = None
 
     def score(self, texts: list[str], examples: list[dict]) -> dict:
@@ -266,31 +276,44 @@ class Scorer:
         if len(texts) != len(examples):
             raise ValueError(f"Scorer.score: {len(texts)} texts but {len(examples)} examples")
         n, nf = len(texts), len(self.specs)
-        values, errors, timeouts, k = [[0.0] * n for _ in range(nf)], 0, 0, 0
-        while k < n * nf:  # call k is sample k // nf, function k % nf
+        values, errors, timeouts = [[0.0] * n for _ in range(nf)], 0, 0
+        calls = (self._in_process if self._fns else self._in_worker)(texts, examples)
+        for k, v in enumerate(calls):  # call k is sample k // nf, function k % nf
+            if isinstance(v, float):
+                values[k % nf][k // nf] = v
+            errors += v is None or v is EOFError
+            timeouts += v is TimeoutError
+        reward = [sum(w * vals[i] for w, vals in zip(self.weights, values)) for i in range(n)]
+        return {"reward": reward, "by_name": dict(zip(self.specs, values)),
+                "errors": errors, "timeouts": timeouts}
+
+    def _in_process(self, texts: list[str], examples: list[dict]):
+        for text, example in zip(texts, examples):
+            for fn, spec in zip(self._fns, self.specs):
+                yield _call(fn, spec, text, example, self._shown)
+
+    def _in_worker(self, texts: list[str], examples: list[dict]):
+        """Each call's result in order: a float, None (failed), EOFError (the worker died in it)
+        or TimeoutError (cut at timeout_s)."""
+        nf, k = len(self.specs), 0
+        while k < len(texts) * nf:
             conn = self._start()
             try:  # one job: all that is left
                 conn.send((texts[k // nf:], examples[k // nf:], k % nf))
             except OSError:  # the worker died while idle: start another
                 self.close()
                 continue
-            while k < n * nf:
+            while k < len(texts) * nf:
                 # the worker makes the calls one after another: each gets timeout_s from here
                 try:
                     v = conn.recv() if conn.poll(self.timeout_s) else TimeoutError
                 except (EOFError, OSError):  # the worker died in this call (crash, os._exit)
                     v = EOFError
-                if isinstance(v, float):
-                    values[k % nf][k // nf] = v
-                errors += v is None or v is EOFError
-                timeouts += v is TimeoutError
+                yield v
                 k += 1
                 if v is EOFError or v is TimeoutError:
                     self.close()  # and restart for what is left
                     break
-        reward = [sum(w * vals[i] for w, vals in zip(self.weights, values)) for i in range(n)]
-        return {"reward": reward, "by_name": dict(zip(self.specs, values)),
-                "errors": errors, "timeouts": timeouts}
 
     def _start(self):
         """The worker's connection; starts a worker if there is none (or it died)."""

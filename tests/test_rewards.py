@@ -110,6 +110,12 @@ def crash(completion, example):
 def one_arg(x):
     return 1.0
 
+SEEN = []  # what `recording` was called with, in the process that called it
+
+def recording(completion, example):
+    SEEN.append(completion)
+    return float(completion == example["answer"])
+
 not_a_function = 3
 """
 
@@ -151,7 +157,7 @@ def test_resolve_errors_are_one_line_and_name_the_field(plugin, spec, says):
 @pytest.mark.parametrize("kwargs, field", [
     ({"weights": [1.0]}, "reward.weights"), ({"funcs": []}, "reward.funcs"),
     ({"funcs": ["nope"]}, "reward.funcs"), ({"funcs": ["math", "math"]}, "reward.funcs"),
-    ({"timeout_s": 0.0}, "reward.timeout_s"),
+    ({"timeout_s": -1.0}, "reward.timeout_s"),
 ])
 def test_validate_errors(kwargs, field):
     cfg = rewards.RewardConfig(**{"funcs": ["math", "format"], **kwargs})
@@ -180,6 +186,28 @@ def test_scorer_weighted_sum_errors_and_file_plugin(plugin):
         assert out["errors"] == 3 and out["timeouts"] == 0
         assert scorer.score([], []) == {"reward": [], "by_name": {f: [] for f in funcs},
                                         "errors": 0, "timeouts": 0}
+
+
+def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
+    """reward.timeout_s 0: the functions run in this process (a reward's side effects are seen
+    here, as a breakpoint() would stop here), with the worker's results and error counts."""
+    import my_reward_mod
+
+    texts = ["\\boxed{3}", "7", "boom", "nan", "4"]
+    examples = [{"answer": "3"}, {"answer": "7"}, {"answer": "1"}, {"answer": "1"},
+                {"answer": "5"}]
+    funcs = ["math", "my_reward_mod:recording", "my_reward_mod:flaky"]
+    outs = []
+    for timeout_s in (30.0, 0.0):  # a worker process, then this process
+        my_reward_mod.SEEN.clear()
+        with rewards.Scorer(rewards.RewardConfig(funcs=funcs, weights=[1.0, 0.5, 0.25],
+                                                 timeout_s=timeout_s)) as scorer:
+            outs.append(scorer.score(texts, examples))
+            assert scorer._proc is None or timeout_s > 0  # no worker started in-process
+        assert my_reward_mod.SEEN == ([] if timeout_s else texts)
+    assert outs[0] == outs[1]
+    assert outs[1]["by_name"]["my_reward_mod:recording"] == [0, 1, 0, 0, 0]
+    assert outs[1]["errors"] == 2 and outs[1]["timeouts"] == 0
 
 
 def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
