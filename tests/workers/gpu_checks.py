@@ -1,0 +1,100 @@
+"""One CUDA rank: what CPU cannot show about memory and bf16 numerics (tests/test_gpu.py runs it).
+
+1. The context switch (fsdp_utils.ActorSwap) gives the device back: after `out`, the device
+   memory in use (every allocator, as the engine sees it) fell by at least 90% of the actor's
+   fp32 shards plus Adam's state, and `back` restores them bit for bit.
+2. After a bf16 weight sync, the engine's logprobs of a probe batch equal the trainer's (bf16
+   compute, the same bf16 weights) within a bound from bf16 rounding: each of the 2L + 2 places
+   where the two implementations may round a normalised activation differently (the embedding,
+   each layer's attention and MLP output, the final norm) moves a logit by at most about one bf16
+   unit (2^-8 relative), and a logprob by about twice that; the mean gap must stay below
+   2 (2L + 2) 2^-8 and the largest below 4 times that. A stale or garbled sync is off by O(1).
+3. The engine's sleep frees at least its KV cache.
+Prints GPU_CHECKS_OK and one JSON line of what it measured.
+Usage: python tests/workers/gpu_checks.py MODEL_DIR
+"""
+
+import json
+import sys
+
+import npu_ops  # noqa: I001  (first: the platform environment before torch loads)
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp_utils
+import grpo
+import rollout
+import weight_sync
+from rollout import Sample
+from train_grpo import init_distributed
+
+KV_BYTES = 1 << 30
+
+model_dir = sys.argv[1]
+npu_ops.setup_env(sleep_mode=True)
+rank, world = init_distributed()
+assert npu_ops.device_type() == "cuda" and npu_ops.engine_supports_sleep()
+device = npu_ops.local_device()
+engine = rollout.Engine(rollout.RolloutConfig(dtype="bfloat16", max_model_len=256,
+                                              kv_cache_memory_bytes=KV_BYTES, max_new_tokens=8),
+                        model_dir)
+used = npu_ops.device_memory_used_gb
+before_sleep = used()
+engine.sleep()
+freed_by_sleep = before_sleep - used()
+torch.manual_seed(0)
+actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="bfloat16"),
+                               init_device_mesh(npu_ops.device_type(), (world,)))
+opt, _ = fsdp_utils.build_optimizer(fsdp_utils.OptimConfig(lr=1e-4), actor, 10)
+g = grpo.GRPOConfig(is_correction="none")
+vocab = actor.config.vocab_size
+gen = torch.Generator().manual_seed(1)
+samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
+                  torch.randint(0, vocab, (24,), generator=gen).tolist(), [0.0] * 24, False)
+           for _ in range(8)]
+grpo.train_on_rollout(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
+                      device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
+state_bytes = sum(t.numel() * t.element_size()
+                  for t in fsdp_utils.device_tensors(actor, opt).values())
+checksum = [t.double().sum().item() for t in fsdp_utils.device_tensors(actor, opt).values()]
+swap = fsdp_utils.ActorSwap(actor, opt, enabled=True)
+
+# 2) the sync, with the switch where the loop makes it (between the load and the KV cache's wake)
+allocated = []  # torch's allocator around the switch (the engine's pool is not in the change)
+
+
+def switch_out():
+    allocated.append(torch.cuda.memory_allocated())
+    swap.out()
+    allocated.append(torch.cuda.memory_allocated())
+
+
+weight_sync.push(actor, engine, before_kv_cache=switch_out)
+stats = swap.metrics()
+freed_by_switch = stats["mem_switch_out_before_gb"] - stats["mem_switch_out_after_gb"]
+probe = [s.prompt_ids + s.response_ids for s in samples]
+engine_lp = engine.score(probe)
+engine.sleep()
+swap.back()
+after_back = [t.double().sum().item() for t in fsdp_utils.device_tensors(actor, opt).values()]
+assert after_back == checksum, "switch back changed the actor or its optimizer state"
+with torch.no_grad():
+    gaps = []
+    for ids, elp in zip(probe, engine_lp):
+        t = torch.tensor([ids], device=device)
+        lp = grpo.token_logprobs(actor(input_ids=t).logits[:, :-1], t[:, 1:])[0].float().cpu()
+        gaps.append((lp - torch.tensor(elp)).abs())
+gaps = torch.cat(gaps)
+layers = actor.config.num_hidden_layers
+bound = 2 * (2 * layers + 2) * 2.0**-8
+result = {"state_gb": state_bytes / 2**30, "freed_by_switch_gb": freed_by_switch,
+          "allocated_freed_by_switch_gb": (allocated[0] - allocated[1]) / 2**30,
+          "kv_cache_gb": KV_BYTES / 2**30, "freed_by_sleep_gb": freed_by_sleep,
+          "logp_gap_mean": gaps.mean().item(), "logp_gap_max": gaps.max().item(),
+          "logp_gap_bound": bound}
+print(json.dumps(result), flush=True)
+assert freed_by_switch >= 0.9 * state_bytes / 2**30, result
+assert freed_by_sleep >= KV_BYTES / 2**30, result
+assert result["logp_gap_mean"] < bound and result["logp_gap_max"] < 4 * bound, result
+engine.shutdown()
+print("GPU_CHECKS_OK")
