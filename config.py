@@ -7,7 +7,6 @@ type (PyYAML reads 1e-6 as a string); an unknown section or key raises with the 
 name; `validate` checks the cross-section constraints before anything loads.
 """
 
-import contextlib
 import dataclasses
 import difflib
 import os
@@ -21,20 +20,10 @@ import rewards
 
 
 class BadInput(ValueError):
-    """The user's config, data or reward plugin is wrong, found before any model loads. main()
-    prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError like any."""
-
-
-@contextlib.contextmanager
-def bad_input():
-    """A ValueError or FileNotFoundError raised inside is about the user's input: re-raised as
-    BadInput."""
-    try:
-        yield
-    except BadInput:
-        raise
-    except (ValueError, FileNotFoundError) as e:
-        raise BadInput(str(e)) from e
+    """The user's config, data or reward plugin is wrong, found by our own checks before any model
+    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
+    like any. Only our checks raise it: an exception from inside another library surfaces as it
+    is, with its traceback."""
 
 
 def _closest(name: str, options) -> str:
@@ -74,7 +63,7 @@ def _coerce(where: str, value, typ):
             return [_coerce(where, item, typing.get_args(typ)[0]) for item in items]
     except (TypeError, ValueError):
         pass
-    raise ValueError(f"config {where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise BadInput(f"config {where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
 
 
 def load(tree: type, path: str | None = None, overrides: list[str] = ()):
@@ -85,7 +74,7 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
     raw = {}
     if path is not None:
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}. Fix: give the path of a "
+            raise BadInput(f"config file not found: {path}. Fix: give the path of a "
                                     "YAML file, e.g. --config configs/tiny_cpu.yaml")
         with open(path) as f:
             try:
@@ -94,21 +83,21 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
                 mark = getattr(e, "problem_mark", None)
                 where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
                 problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-                raise ValueError(f"config {path}:{where}: not valid YAML ({problem}). Fix the "
+                raise BadInput(f"config {path}:{where}: not valid YAML ({problem}). Fix the "
                                  "file there (indentation, a missing ':' or quote)") from None
         if not isinstance(raw, dict):
-            raise ValueError(f"config {path}: expected sections (model:, optim:, ...) at top level")
+            raise BadInput(f"config {path}: expected sections (model:, optim:, ...) at top level")
     pairs = [(f"{sec}.{key}", val) for sec, body in raw.items()
              for key, val in (body.items() if isinstance(body, dict) else [(None, body)])]
     args = list(overrides)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--") or "." not in arg:
-            raise ValueError(f"bad override {arg!r}: use --section.key=value")
+            raise BadInput(f"bad override {arg!r}: use --section.key=value")
         key, eq, val = arg[2:].partition("=")
         if not eq:
             if not args:
-                raise ValueError(f"override {arg} has no value")
+                raise BadInput(f"override {arg} has no value")
             val = args.pop(0)
         pairs.append((key, val))
 
@@ -117,14 +106,14 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
     for dotted, val in pairs:
         sec, _, key = dotted.partition(".")
         if sec not in sections:
-            raise ValueError(f"unknown config section '{sec}'{_closest(sec, sections)}")
+            raise BadInput(f"unknown config section '{sec}'{_closest(sec, sections)}")
         if not key or key == "None":
-            raise ValueError(f"config section '{sec}' must be a mapping of keys to values")
+            raise BadInput(f"config section '{sec}' must be a mapping of keys to values")
         section = getattr(cfg, sec)
         hints = typing.get_type_hints(type(section))
         if key not in hints:
             valid = [f"{sec}.{k}" for k in hints]
-            raise ValueError(f"unknown config key '{dotted}'{_closest(dotted, valid)}")
+            raise BadInput(f"unknown config key '{dotted}'{_closest(dotted, valid)}")
         setattr(section, key, _coerce(dotted, val, hints[key]))
     return cfg
 
@@ -135,7 +124,7 @@ def validate(cfg, world_size: int) -> None:
 
     def need(ok, msg):
         if not ok:
-            raise ValueError(f"config: {msg}")
+            raise BadInput(f"config: {msg}")
 
     need(r.tp_size >= 1 and world_size % r.tp_size == 0,
          f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
@@ -184,9 +173,12 @@ def validate(cfg, world_size: int) -> None:
     need(r.sync_by == "tensor" or compute >= engine,
          f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which would "
          f"round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the same dtypes")
-    npu_ops.kernel_path(cfg.model.fused_kernels)  # raises on a bad mode or a missing kernel lib
-    npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
-    rewards.validate(cfg.reward)  # every reward function resolves, in this process
+    try:  # the other modules' own checks of their sections, each a one-line ValueError
+        npu_ops.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
+        npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
+        rewards.validate(cfg.reward)  # every reward function resolves, in this process
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     if not cfg.data.tiny_task_dir:  # data sources are checked when they load (data.py)
         need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
              f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")

@@ -3,18 +3,20 @@
 `load_examples` reads rows with Hugging Face `datasets` (a hub id, a .parquet / .jsonl / .json
 file, or a directory written by `save_to_disk`), turns each prompt into token ids (plain text or
 chat messages, optionally through the tokenizer's chat template), extracts the gold answer, and
-drops prompts longer than `data.max_prompt_len`. Every bad input fails with a one-line ValueError
-that names the config field and the fix, before any model is built.
-
-A leaf module: it imports nothing from the project.
+drops prompts longer than `data.max_prompt_len`. Every bad input fails with a one-line
+config.BadInput that names the config field and the fix, before any model is built; an error
+from inside datasets or the tokenizer surfaces as it is.
 """
 
 import dataclasses
+import glob
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
+
+import config
 
 log = logging.getLogger("grpo")
 
@@ -82,8 +84,8 @@ def apply_preset(cfg: DataConfig) -> DataConfig:
     if not cfg.preset:
         return dataclasses.replace(cfg)
     if cfg.preset not in PRESETS:
-        raise ValueError(f"data.preset={cfg.preset!r} is unknown. Fix: use one of "
-                         f"{sorted(PRESETS)} or leave it empty")
+        raise config.BadInput(f"data.preset={cfg.preset!r} is unknown. Fix: use one of "
+                              f"{sorted(PRESETS)} or leave it empty")
     defaults = DataConfig()
     own_source = cfg.path != defaults.path
     values = {k: v for k, v in PRESETS[cfg.preset].items() if k != "extract"
@@ -99,63 +101,87 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-def _check_jsonl(path: str, field: str):
-    # datasets' json reader fails on a bad line without saying which: find it first
+def _count_json_rows(path: str, ext: str, field: str) -> int:
+    """The rows of a .jsonl or .json file, each line (or the file) checked to be JSON first:
+    datasets' reader fails on a bad line without saying which, and on an empty file."""
     with open(path) as f:
+        if ext == ".json":
+            try:
+                return len(json.load(f) or ())
+            except json.JSONDecodeError as e:
+                raise config.BadInput(f"{field}={path}: not JSON ({e}). Fix: make it a list of "
+                                      "objects, one per row") from None
+        rows = 0
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{field}={path}: line {n} is not JSON ({e}). Fix: make each "
-                                     f"line one JSON object, or remove the line") from None
+                    raise config.BadInput(f"{field}={path}: line {n} is not JSON ({e}). Fix: make "
+                                          "each line one JSON object, or remove the line") from None
+                rows += 1
+        return rows
+
+
+def _count_rows(path: str, ext: str, field: str) -> int:
+    """The rows of a local source, read without datasets."""
+    if os.path.isdir(path):  # a saved Dataset: state.json lists its arrow files (none if empty)
+        with open(os.path.join(path, "state.json")) as f:
+            return 1 if json.load(f).get("_data_files") else 0  # some rows, or none
+    if ext == ".parquet":
+        import pyarrow.parquet
+
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    return _count_json_rows(path, ext, field)
 
 
 def read_rows(path: str, split: str, config_name: str = "", field: str = "data.path",
               split_field: str = "data.split"):
     """The rows of `path` as a `datasets.Dataset`: a local file or save_to_disk directory if it
-    exists, else a hub id ("org/name"); anything else is a missing file. Errors: one line."""
+    exists, else a hub id ("org/name"); anything else is a missing file. What the user gave is
+    checked here first (kind, split, JSON, rows), so that an error from datasets itself is a
+    problem of datasets, and surfaces as it is."""
     import datasets
 
     ext = os.path.splitext(path)[1].lower()
     if os.path.isfile(path) and ext not in _FILE_KINDS:
-        raise ValueError(f"{field}={path}: unsupported file type {ext!r}. Fix: use a .parquet, "
-                         f".jsonl or .json file, a save_to_disk directory or a hub id")
+        raise config.BadInput(f"{field}={path}: unsupported file type {ext!r}. Fix: use a "
+                              ".parquet, .jsonl or .json file, a save_to_disk directory or a "
+                              "hub id")
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in
                                        ("dataset_info.json", "dataset_dict.json")):
-        raise ValueError(f"{field}={path} is a directory but not one written by datasets' "
-                         f"save_to_disk. Fix: point it at a saved dataset or at a "
-                         f".parquet/.jsonl/.json file")
+        raise config.BadInput(f"{field}={path} is a directory but not one written by datasets' "
+                              "save_to_disk. Fix: point it at a saved dataset or at a "
+                              ".parquet/.jsonl/.json file")
     if os.path.exists(path):
-        if ext == ".jsonl":
-            _check_jsonl(path, field)
-        try:
-            ds = (datasets.load_from_disk(path) if os.path.isdir(path) else
-                  datasets.load_dataset(_FILE_KINDS[ext], data_files=path, split="train"))
-        except (ValueError, IndexError, OSError) as e:  # an empty file or dataset lands here too
-            raise ValueError(f"{field}={path}: datasets could not read it ({_first_line(e)}); an "
-                             f"empty file or dataset fails this way. Fix: point {field} at a "
-                             f"dataset with rows") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise ValueError(f"{split_field}={split!r}: {field}={path} has splits "
-                                 f"{sorted(ds)}. Fix: set {split_field} to one of them")
-            ds = ds[split]
-        return ds
+        source = path
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):  # a saved DatasetDict
+            with open(os.path.join(path, "dataset_dict.json")) as f:
+                splits = json.load(f)["splits"]
+            if split not in splits:
+                raise config.BadInput(f"{split_field}={split!r}: {field}={path} has splits "
+                                      f"{sorted(splits)}. Fix: set {split_field} to one of them")
+            source = os.path.join(path, split)
+        if _count_rows(source, ext, field) == 0:
+            raise config.BadInput(f"{field}={path}: no rows (an empty file or dataset). Fix: point "
+                                  f"{field} at a dataset with rows")
+        if os.path.isdir(source):
+            return datasets.load_from_disk(source)
+        return datasets.load_dataset(_FILE_KINDS[ext], data_files=path, split="train")
     if ext in _FILE_KINDS or not _HUB_ID.fullmatch(path):
-        raise ValueError(f"{field}={path!r}: no such file or directory. Fix: point {field} at an "
-                         f"existing file or directory, or at a hub dataset id 'org/name'")
+        raise config.BadInput(f"{field}={path!r}: no such file or directory. Fix: point {field} "
+                              "at an existing file or directory, or at a hub dataset id 'org/name'")
     try:
         return datasets.load_dataset(path, name=config_name or None, split=split)
-    except ValueError as e:  # datasets' own: an unknown config name or split
-        raise ValueError(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
-                         f"{split!r}): {_first_line(e)}. Fix: set data.config_name and "
-                         f"{split_field} to ones the dataset has") from None
-    except Exception as e:  # ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, HTTP...
-        raise ValueError(f"{field}={path} is not a local path, and the Hugging Face hub is "
-                         f"unreachable (offline?) or has no dataset {path} ({_first_line(e)}). "
-                         f"Fix: download it where the hub is reachable and point {field} at the "
-                         f"saved directory or file") from None
+    except ValueError as e:  # datasets' answer about the user's names: an unknown config or split
+        raise config.BadInput(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
+                              f"{split!r}): {_first_line(e)}. Fix: set data.config_name and "
+                              f"{split_field} to ones the dataset has") from None
+    except (ConnectionError, FileNotFoundError) as e:  # offline, or no such dataset on the hub
+        raise config.BadInput(f"{field}={path} is not a local path, and the Hugging Face hub is "
+                              f"unreachable (offline?) or has no dataset {path} "
+                              f"({_first_line(e)}). Fix: download it where the hub is reachable "
+                              f"and point {field} at the saved directory or file") from None
 
 
 def _is_messages(prompt) -> bool:
@@ -171,17 +197,18 @@ def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
         messages = [{"role": "user", "content": prompt}]
     elif _is_messages(prompt):
         if not cfg.chat_template:
-            raise ValueError(f"{where}: data.prompt_key={cfg.prompt_key!r} holds chat messages, "
-                             f"which need a chat template. Fix: set data.chat_template=true")
+            raise config.BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds chat "
+                                  "messages, which need a chat template. Fix: set "
+                                  "data.chat_template=true")
         messages = [dict(m) for m in prompt]  # copies: the suffix must not edit the row
     else:
-        raise ValueError(f"{where}: data.prompt_key={cfg.prompt_key!r} holds a "
-                         f"{type(prompt).__name__}, neither text nor a list of {{'role', "
-                         f"'content'}} dicts. Fix: point data.prompt_key at a prompt column")
+        raise config.BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds a "
+                              f"{type(prompt).__name__}, neither text nor a list of {{'role', "
+                              f"'content'}} dicts. Fix: point data.prompt_key at a prompt column")
     users = [m for m in messages if m["role"] == "user"]
     if cfg.prompt_suffix and not users:
-        raise ValueError(f"{where}: the messages have no user turn for data.prompt_suffix. "
-                         f"Fix: add one to the data or set data.prompt_suffix=''")
+        raise config.BadInput(f"{where}: the messages have no user turn for data.prompt_suffix. "
+                              f"Fix: add one to the data or set data.prompt_suffix=''")
     if users:
         users[-1]["content"] += cfg.prompt_suffix
     if not cfg.chat_template:
@@ -209,15 +236,16 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
     field = "data.path" if path == cfg.path else "data.eval_path"
     split_field = "data.split" if split == cfg.split else "data.eval_split"
     if not path:
-        raise ValueError(f"{field} is empty. Fix: set it to a hub id, a file or a directory, "
-                         f"or set data.preset")
+        raise config.BadInput(f"{field} is empty. Fix: set it to a hub id, a file or a directory, "
+                              f"or set data.preset")
     extract = PRESETS[cfg.preset]["extract"] if cfg.preset else None
     ds = read_rows(path, split, cfg.config_name, field, split_field)
     # both columns are checked up front (even on an empty set); answer_key="" opts out of answers
     for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
         if key and key not in ds.column_names:
-            raise ValueError(f"data.{name}={key!r} is not a column of {field}={path} (columns: "
-                             f"{ds.column_names}). Fix: set data.{name} to one of them")
+            raise config.BadInput(f"data.{name}={key!r} is not a column of {field}={path} "
+                                  f"(columns: {ds.column_names}). Fix: set data.{name} to one of "
+                                  "them")
     examples, too_long, no_gold = [], 0, 0
     for i, row in enumerate(ds):
         ids = prompt_ids(cfg, tokenizer, row[cfg.prompt_key], f"{field}={path} row {i}")
@@ -236,8 +264,9 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
              "data.max_prompt_len=%d, %d without a gold answer", len(examples), path, split,
              too_long, cfg.max_prompt_len, no_gold)
     if not examples:
-        raise ValueError(f"{field}={path} (split {split!r}): no example left of {len(ds)} rows "
-                         f"({too_long} longer than data.max_prompt_len={cfg.max_prompt_len} "
-                         f"tokens, {no_gold} without a gold answer). Fix: raise "
-                         f"data.max_prompt_len or check the data")
+        raise config.BadInput(f"{field}={path} (split {split!r}): no example left of {len(ds)} "
+                              f"rows ({too_long} longer than data.max_prompt_len="
+                              f"{cfg.max_prompt_len} "
+                              f"tokens, {no_gold} without a gold answer). Fix: raise "
+                              f"data.max_prompt_len or check the data")
     return examples

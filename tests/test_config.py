@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+import config
 from config import validate
 from train_grpo import Config, load_config
 
@@ -48,7 +49,7 @@ def test_wrong_type_names_field(tmp_path):
 
 
 def test_missing_file():
-    with pytest.raises(FileNotFoundError, match="config file not found: nope.yaml"):
+    with pytest.raises(config.BadInput, match="config file not found: nope.yaml"):
         load_config("nope.yaml")
 
 
@@ -207,3 +208,29 @@ def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and says in errors[0], out.stderr[-3000:]
     assert "Initializing a V1 LLM engine" not in out.stderr + out.stdout  # no model was loaded
+
+
+def test_an_error_inside_another_library_keeps_its_traceback(tiny_task_dir, tmp_path):
+    """A model directory that passes our checks but whose tokenizer transformers fails to load
+    (its tokenizer.json cut short: a ValueError raised inside AutoTokenizer, which the one-line
+    path used to swallow): the run stops with transformers' own traceback, not as a one-line
+    `error:` about the user's input."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    model = tmp_path / "model"
+    shutil.copytree(f"{tiny_task_dir}/model", model)
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text()[:100])
+    args = ["--config", "configs/tiny_cpu.yaml", f"--model.path={model}", "--data.tiny_task_dir=",
+            f"--data.path={tiny_task_dir}/train.jsonl", f"--log.out_dir={tmp_path / 'run'}",
+            "--log.eval_every=0"]
+    out = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" in out.stderr and "JSONDecodeError" in out.stderr
+    assert "from_pretrained" in out.stderr  # raised inside transformers' loading
+    assert not any(line.startswith("error: ") for line in out.stderr.splitlines())

@@ -13,6 +13,8 @@ import string
 
 import pytest
 
+import config
+
 import data
 from data import DataConfig, apply_preset, load_examples
 
@@ -237,15 +239,21 @@ def test_empty_dataset(tmp_path, tok):
     import datasets
 
     # nothing left after the length filter: tested in test_long_prompts_dropped_and_counted;
-    # an empty source fails inside datasets (each kind differently): one line naming the path
+    # an empty source (which datasets fails on, each kind differently) is found before datasets
+    # reads it: one line naming the path
     datasets.Dataset.from_list(ROWS).select([]).save_to_disk(str(tmp_path / "e"))
     datasets.Dataset.from_list(ROWS).select([]).to_parquet(str(tmp_path / "e.parquet"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS).select([]),
+                         test=datasets.Dataset.from_list(ROWS)).save_to_disk(str(tmp_path / "d"))
     (tmp_path / "e.jsonl").write_text("\n")
-    for name in ("e", "e.parquet", "e.jsonl"):
-        with pytest.raises(ValueError, match=r"data\.path=.*: datasets could not read it .*"
-                           r"empty file or dataset.*Fix") as e:
+    (tmp_path / "e.json").write_text("[]")
+    (tmp_path / "empty.jsonl").write_text("")
+    for name in ("e", "e.parquet", "d", "e.jsonl", "e.json", "empty.jsonl"):
+        with pytest.raises(config.BadInput, match=r"data\.path=.*: no rows \(an empty file or "
+                           r"dataset\)\. Fix") as e:
             load_examples(DataConfig(path=str(tmp_path / name)), tok)
         assert "\n" not in str(e.value)
+    assert len(load_examples(DataConfig(path=str(tmp_path / "d"), split="test"), tok)) == len(ROWS)
 
 
 def test_jsonl_line_that_is_not_json(tmp_path, tok):
