@@ -1,4 +1,6 @@
-"""Build and shard the actor with FSDP2, its optimizer and schedule, and save it.
+"""The actor: build and shard it with FSDP2, its attention for packed rows, the model families
+it knows, parking it in host memory, and its optimizer and schedule. Checkpoints and the export
+are in checkpoint.py.
 
 FSDP2 idioms (after torchtitan): build on the meta device, `fully_shard` every decoder layer and
 then the root, materialise shards with `to_empty`, and fill them from one full copy read on rank 0
@@ -6,25 +8,16 @@ then the root, materialise shards with `to_empty`, and fill them from one full c
 Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
 """
 
-import glob
 import itertools
-import json
 import logging
 import math
-import os
-import random
-import re
-import shutil
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import npu_ops
@@ -109,6 +102,45 @@ def register_packed_sdpa() -> str:
     return "packed_sdpa"
 
 
+# Model families, by config.json's model_type: where the decoder layers are (one FSDP unit each),
+# the names under which a tied model's shared embedding is the input embedding and the output
+# layer (weight_sync sends it under both), and whether npu_ops' fused kernels (RMSNorm, SwiGLU MLP,
+# rotary embedding) are written for it. A model_type not listed gets the defaults (the names most
+# Hugging Face decoder-only models use) and no fused kernels. To train another family, add a row.
+@dataclass(frozen=True)
+class Family:
+    layers: str = "model.layers"
+    embedding: str = "model.embed_tokens.weight"
+    output: str = "lm_head.weight"
+    fused_kernels: bool = False  # npu_ops.patch_qwen applies
+
+
+FAMILIES = {
+    "qwen2": Family(fused_kernels=True),
+    "qwen3": Family(fused_kernels=True),
+    "llama": Family(),
+    "mistral": Family(),
+}
+
+
+def family(model_type: str) -> Family:
+    return FAMILIES.get(model_type, Family())
+
+
+def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
+    """model.fused_kernels applied to `model` (npu_ops.kernel_path says which path); returns
+    what was done, for the log. `auto` patches only the families whose row says the kernels are
+    written for them and leaves any other model as transformers builds it."""
+    path = npu_ops.kernel_path(mode)
+    kind = model.config.model_type
+    if path is None:
+        return ["none"]
+    if mode == "auto" and not family(kind).fused_kernels:
+        return [f"none (fused kernels are not written for model_type {kind!r}; left as "
+                "transformers builds it)"]
+    return npu_ops.patch_qwen(model, path)  # explicit fused/reference: raises for other models
+
+
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
@@ -122,8 +154,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     dtype = getattr(torch, cfg.param_dtype) if reference else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
-    path = npu_ops.kernel_path(cfg.fused_kernels)
-    patched = npu_ops.patch_qwen(model, path) if path else ["none"]
+    patched = patch_kernels(model, cfg.fused_kernels)
     log.info("%s: attention %s; kernels: %s", "reference" if reference else "actor", attn,
              "; ".join(patched))
     full = None
@@ -133,7 +164,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype),
                               reduce_dtype=getattr(torch, cfg.reduce_dtype))
-    for layer in model.model.layers:
+    for layer in model.get_submodule(family(hf_cfg.model_type).layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     model.to_empty(device=npu_ops.local_device())
@@ -158,12 +189,12 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
 # its optimizer state while the engine generates). The tensors stay the same objects: only the
 # device storage behind them moves. `out` copies each storage into a host buffer and resizes the
 # storage to 0 bytes, which frees its device memory (FSDP2 frees its gathered parameters the
-# same way); `back` resizes it again and copies the bytes in. So nothing is rebuilt: rebuilding a
-# DTensor around a host copy puts it back on its mesh's device (DTensor.from_local moves the local
-# tensor there), which is how an earlier version of this code freed nothing on accelerators. One
-# storage holds a parameter's padded FSDP2 shard (`_sharded_param_data`) and the local tensor that
-# views it, so both go at once. The host buffers are pinned on accelerators and kept from one move
-# to the next.
+# same way); `back` resizes it again and copies the bytes in. Nothing is rebuilt: a DTensor
+# rebuilt around a host copy lands on its mesh's device again (DTensor.from_local moves the local
+# tensor there), and the device would keep every byte. One storage holds a parameter's padded
+# FSDP2 shard (`_sharded_param_data`) and the local tensor that views it, so both go at once.
+# The host buffers are pinned on accelerators and kept from one move to the next. Not run on an
+# accelerator by this code yet (tests/test_gpu.py measures it there).
 
 
 def device_tensors(model: torch.nn.Module, optimizer=None) -> dict:
@@ -300,104 +331,3 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else 1e30)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return norm.item()
-
-
-def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None = None) -> None:
-    """Export a Hugging Face checkpoint that transformers and vLLM load: model.safetensors,
-    config.json, generation_config.json (the `source` model's, when it has one: its eos and
-    sampling defaults) and the tokenizer. Every rank must call (the full state dict is gathered);
-    rank 0 writes to out_dir.tmp and renames it, so out_dir is always a whole export."""
-    from transformers import GenerationConfig
-
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                              cpu_offload=True))
-    if dist.get_rank() == 0:
-        tmp = out_dir.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if source and os.path.isfile(os.path.join(source, "generation_config.json")):
-            model.generation_config = GenerationConfig.from_pretrained(source)
-        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.rename(tmp, out_dir)
-    dist.barrier()
-
-
-# Resumable checkpoints: sharded with torch.distributed.checkpoint (every rank writes its own
-# shards, no gather), each rank's RNG states, and trainer_state.json (step, lr schedule, the loop's
-# state) from rank 0. Written to step_N.tmp and renamed to step_N once complete (a rename within a
-# filesystem is atomic), so whatever kills the run mid-write, the newest step_N is whole. Layout:
-#   out_dir/checkpoints/step_000120/{*.distcp, .metadata, rng_rank*.pt, trainer_state.json}
-# Every rank writes into the same directory: on several nodes it must be a shared filesystem.
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if npu_ops.device_type() != "cpu":
-        state["device"] = npu_ops.device_module().get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "device" in state and npu_ops.device_type() != "cpu":
-        npu_ops.device_module().set_rng_state(state["device"])
-
-
-def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: int = 2,
-                    extra: dict | None = None) -> str:
-    """Every rank must call. Keeps the newest `keep` complete checkpoints. `extra`: JSON-able
-    loop state (e.g. the data position) stored in trainer_state.json."""
-    root = os.path.join(out_dir, "checkpoints")
-    path = os.path.join(root, f"step_{step:06d}")
-    tmp, rank = path + ".tmp", dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed write of this step left
-    dist.barrier()
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    dist.barrier()  # every rank's files are in tmp
-    if rank == 0:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**(extra or {}), "step": step, "scheduler": scheduler.state_dict()}, f)
-        shutil.rmtree(path, ignore_errors=True)  # the same step saved by an earlier run
-        os.rename(tmp, path)
-        for old in complete_checkpoints(out_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in glob.glob(os.path.join(root, "step_*.tmp")):  # other crashed writes
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    return path
-
-
-def complete_checkpoints(out_dir: str) -> list[str]:
-    """Complete checkpoints under out_dir, oldest first (a step_N.tmp is an unfinished write)."""
-    paths = glob.glob(os.path.join(out_dir, "checkpoints", "step_*"))
-    return sorted(p for p in paths if re.fullmatch(r"step_\d+", os.path.basename(p))
-                  and os.path.exists(os.path.join(p, "trainer_state.json")))
-
-
-def latest_checkpoint(out_dir: str):
-    """The newest complete checkpoint under out_dir, or None."""
-    done = complete_checkpoints(out_dir)
-    return done[-1] if done else None
-
-
-def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
-    """Restore model, optimizer, schedule and this rank's RNG states in place (every rank);
-    returns trainer_state.json ("step" and what save_checkpoint got as `extra`)."""
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
-    if os.path.exists(rng):  # absent when resuming on more ranks than saved
-        _set_rng_state(torch.load(rng, weights_only=False))
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        saved = json.load(f)
-    scheduler.load_state_dict(saved["scheduler"])
-    return saved

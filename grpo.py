@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_utils
+import tracking
 
 
 @dataclass
@@ -164,22 +165,23 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 25
     return total
 
 
-def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> tuple[dict, dict, dict]:
-    """Engine vs trainer logprobs of the sampled tokens, per-sample (n_i,) tensors. Returns
-    (sums, maxima, minima) for reduce_metrics: |gap|, the importance ratio p_trainer / p_engine per
-    token, the share of tokens above C and of sequences whose ratio leaves [1/C, C]."""
+def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
+    """Engine vs trainer logprobs of the sampled tokens, per-sample (n_i,) tensors, as metrics
+    (tracking.reduce): the mean |gap|, the importance ratio p_trainer / p_engine per token (mean,
+    max, min), the share of tokens above C and of sequences whose ratio leaves [1/C, C]."""
     log_ratio = [o.double() - torch.as_tensor(e, dtype=torch.float64)
                  for o, e in zip(old_logp, engine_logp)]
     flat = torch.cat(log_ratio) if log_ratio else torch.zeros(0, dtype=torch.float64)
     seq = torch.stack([x.sum() for x in log_ratio]) if log_ratio else flat
-    ratio = flat.exp()
-    sums = {"mm_tokens": flat.numel(), "logp_gap": flat.abs().sum().item(),
-            "is_ratio_mean": ratio.sum().item(), "is_above_cap_frac": (ratio > cap).sum().item(),
-            "mm_seqs": seq.numel(),
-            "seq_outside_cap_frac": (seq.abs() > math.log(cap)).sum().item()}
-    empty = not flat.numel()
-    return (sums, {"is_ratio_max": 0.0 if empty else ratio.max().item()},
-            {"is_ratio_min": math.inf if empty else ratio.min().item()})
+    ratio, n = flat.exp(), flat.numel()
+    empty = not n
+    return {"logp_gap": tracking.Mean(flat.abs().sum().item(), n),
+            "is_ratio_mean": tracking.Mean(ratio.sum().item(), n),
+            "is_ratio_max": tracking.Max(0.0 if empty else ratio.max().item()),
+            "is_ratio_min": tracking.Min(math.inf if empty else ratio.min().item()),
+            "is_above_cap_frac": tracking.Mean((ratio > cap).sum().item(), n),
+            "seq_outside_cap_frac": tracking.Mean((seq.abs() > math.log(cap)).sum().item(),
+                                                  seq.numel())}
 
 
 def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
@@ -382,12 +384,13 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
 
 def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOConfig, *,
                      pad_id: int, device, seed: int, temperature: float, max_len: int,
-                     grad_clip: float, times: dict | None = None) -> tuple[dict, dict, dict, float]:
+                     grad_clip: float) -> dict:
     """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
-    the engine's sampling temperature and max_new_tokens. Returns (sums, maxima, minima) for the
-    step's metrics and the mean grad norm; `times["logprobs"]` gets the seconds spent in the
-    old-policy and reference passes before the first optimizer step."""
+    the engine's sampling temperature and max_new_tokens. Returns the update's metrics
+    (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with a reference, the
+    mean grad norm, and logprobs_time_s, the seconds of the old-policy and reference passes
+    before the first optimizer step."""
     t = time.perf_counter()
     on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
@@ -399,9 +402,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
         fsdp_utils.onload(ref)
         ref_logp = sample_logprobs(ref, samples, g, pad_id, device, temperature)
         fsdp_utils.offload(ref)
-    if times is not None:
-        times["logprobs"] = time.perf_counter() - t
-    sums, norms = {"clipped": 0.0, "entropy": 0.0, "loss_tokens": 0.0}, []
+    logprobs_time = time.perf_counter() - t
+    clipped, entropy, loss_tokens, norms = 0.0, 0.0, 0, []
     shuffle = torch.Generator().manual_seed(seed)
     for epoch in range(g.ppo_epochs):
         for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
@@ -413,16 +415,18 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
                 old_logp = [None] * len(samples)
                 for k, i in enumerate(part):
                     old_logp[i] = logp[k]
-            sums["clipped"] += stats["clipped"]
-            sums["loss_tokens"] += sum(len(samples[i].response_ids) for i in part)
+            clipped += stats["clipped"]
+            loss_tokens += sum(len(samples[i].response_ids) for i in part)
             if epoch == 0:  # entropy of the policy as it meets this rollout
-                sums["entropy"] += stats["entropy"]
+                entropy += stats["entropy"]
             norms.append(fsdp_utils.clip_grad_norm(actor, grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
-    mm_sums, highs, lows = mismatch_stats(old_logp, [s.logp for s in samples], g.is_cap)
-    sums.update(mm_sums)
+    tokens = sum(len(s.response_ids) for s in samples)
+    out = {"entropy": tracking.Mean(entropy, tokens),
+           "clip_frac": tracking.Mean(clipped, loss_tokens),
+           **mismatch_stats(old_logp, [s.logp for s in samples], g.is_cap)}
     if ref_logp is not None:
-        sums["kl"] = sum(kl_penalty(o, r, g.kl_estimator).sum().item()
-                         for o, r in zip(old_logp, ref_logp))
-    return sums, highs, lows, sum(norms) / len(norms)
+        out["kl"] = tracking.Mean(sum(kl_penalty(o, r, g.kl_estimator).sum().item()
+                                      for o, r in zip(old_logp, ref_logp)), tokens)
+    return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}

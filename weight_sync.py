@@ -5,8 +5,9 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
 (unsharded) tensor in the engine's dtype. The engine shards it for its own tensor parallelism.
 - FSDP2 keeps the original module names, so the only renaming is stripping wrapper prefixes that
   `torch.compile` or activation checkpointing may add.
-- Tied embeddings: `named_parameters()` lists the shared tensor once, as the embedding; vLLM then
-  keeps its old `lm_head.weight`, so the pair is sent a second time as `lm_head.weight`.
+- Tied embeddings: `named_parameters()` lists the shared tensor once, as the input embedding; it
+  is sent a second time under the output layer's name (fsdp_utils.Family), right after.
+- Order: the decoder layers first, the embedding last (`units` says why).
 - Gathering (`rollout.sync_by`), lazily, so at most one unit (or one parameter) is whole beyond
   the shards: never a second copy of the model, never a host round trip. Every rank must call
   `push` (the all-gathers are collectives).
@@ -17,10 +18,7 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
     tensor until its whole layer has arrived: without the copy the engine read freed storage).
   - "tensor": one all-gather per parameter, of its shard cast to the engine's dtype first (a
     bf16 engine: half the bytes of the fp32 shards on the wire), handed over, dropped.
-  Measured on the 2-core CPU machine, 2 ranks: "unit" took the tiny model's sync from 35 to 17
-  ms (fewer collectives), and a 108.6M model's bf16 push from 0.40 to 0.37 s; with that model in
-  fp32 it was slower (0.71 against 0.51 s: FSDP2 copies in and out around its collective, and
-  there memory bandwidth decides). bench/weight_sync.py times both; on NCCL/HCCL, unmeasured.
+  bench/weight_sync.py times both (the README has what it printed).
 """
 
 import time
@@ -28,6 +26,7 @@ import time
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import fsdp_utils
 import npu_ops
 
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -40,8 +39,17 @@ def hf_name(name: str) -> str:
 
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
-    """[(FSDP unit, names of the parameters it owns)], in named_parameters order; one (None, all
-    names) for a model that is not sharded. A parameter belongs to the innermost unit above it."""
+    """[(FSDP unit, names of the parameters it owns)] in the order the engine takes them best:
+    the decoder layers' units first, then the unit holding the input embedding, that embedding
+    last within it; one (None, all names) for a model that is not sharded. A parameter belongs to
+    the innermost unit above it.
+
+    Why this order (vLLM's layerwise reload, model_loader/reload/layerwise.py in 0.26 and 0.32):
+    a module counts as loading until every element of its tensors has arrived, and each load
+    into another module while one is loading makes vLLM hold the loaded tensors in extra buffers
+    and warn. The engine pads the vocabulary to a multiple of 64 rows per rank and never receives
+    the padding, so an embedding (or output layer) with a vocabulary off that multiple loads
+    until the end of the reload: it goes last. Every other module's tensors come together."""
     modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     owned = {}
     for pname, _ in model.named_parameters():
@@ -49,22 +57,26 @@ def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str
         owner = next((".".join(path[:i]) for i in range(len(path) - 1, -1, -1)
                       if ".".join(path[:i]) in modules), None)
         owned.setdefault(owner, []).append(pname)
-    return [(modules.get(owner), names) for owner, names in owned.items()]
+    embedding = fsdp_utils.family(model.config.model_type).embedding
+    groups = [(modules.get(owner), sorted(names, key=lambda n: hf_name(n) == embedding))
+              for owner, names in owned.items()]  # sorts are stable: the rest keep their order
+    return sorted(groups, key=lambda group: hf_name(group[1][-1]) == embedding)
 
 
 def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool):
-    """(parameter name, whole tensor in `dtype`), one at a time, gathered as the docstring says."""
-    if not by_unit:
-        for name, param in model.named_parameters():
-            param = param.detach().to(dtype)  # the shard, cast before the gather
-            yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
-        return
+    """(parameter name, whole tensor in `dtype`), one at a time, in `units` order, gathered as the
+    docstring says."""
     for unit, names in units(model):
-        if unit is not None:
+        if by_unit and unit is not None:
             unit.unshard()  # one all-gather: the unit's parameters are whole tensors now
         for name in names:
-            yield name, model.get_parameter(name).detach().to(dtype, copy=True)
-        if unit is not None:
+            param = model.get_parameter(name).detach()
+            if by_unit:
+                yield name, param.to(dtype, copy=True)
+            else:
+                param = param.to(dtype)  # the shard, cast before the gather
+                yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
+        if by_unit and unit is not None:
             unit.reshard()
 
 
@@ -72,13 +84,14 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
                      by_unit: bool = False):
     """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards."""
     tied = getattr(model.config, "tie_word_embeddings", False)
+    names = fsdp_utils.family(model.config.model_type)  # a tied model's two names
     for name, full in full_params(model, dtype, by_unit):
         name = hf_name(name)
         stats["bytes"] += full.numel() * full.element_size()
         yield name, full
-        if tied and name.endswith("embed_tokens.weight"):
+        if tied and name == names.embedding:
             stats["bytes"] += full.numel() * full.element_size()
-            yield "lm_head.weight", full
+            yield names.output, full
         del full
 
 

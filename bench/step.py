@@ -1,4 +1,4 @@
-"""One GRPO step, phase by phase, through the trainer's own loop, beside the generation floor.
+"""One GRPO step, phase by phase, through the trainer's own step, beside the generation floor.
 Prints one JSON line (rank 0).
 
     python bench/step.py                                         # configs/tiny_cpu.yaml, 1 rank
@@ -6,22 +6,21 @@ Prints one JSON line (rank 0).
     python bench/step.py --config configs/qwen2.5-0.5b-gsm8k-cuda1.yaml --shape qwen2.5-0.5b \
         --prompt-len 128 --rollout.max_new_tokens=512        # a random model of real shapes
 
-It runs `train_grpo.train` for `--steps` steps of `--config`, further `--section.key=value`
-arguments overriding it (no eval, no checkpoints, no wandb, a temporary out_dir). With --shape
-or --hidden the model is a random-init Qwen2 of those shapes (bench/common.py) and the data
-`--prompt-len`-token prompts of the tiny task's alphabet, scored by the tiny task's reward.
-Two bench-only changes to the engine:
-- every response runs to `rollout.max_new_tokens` (EOS ignored), so runs and steps compare;
-- the floor: beside each rollout `generate`, a bare `LLM.generate` of the same prompts with the
-  same n, temperature, top_p and max_tokens (and nothing else: no logprobs, no per-prompt
-  seeds), on the same engine in the same process, the prefix cache emptied before each of the
-  two; which of them goes first alternates from step to step.
+It runs `train_grpo.setup` and `--steps` calls of `train_grpo.train_step` on `--config`, further
+`--section.key=value` arguments overriding it (no eval, no checkpoints, no wandb, a temporary
+out_dir). With --shape or --hidden the model is a random-init Qwen2 of those shapes
+(bench/common.py) and the data `--prompt-len`-token prompts of the tiny task's alphabet, scored by
+the tiny task's reward. Bench-only: every response runs to `rollout.max_new_tokens` (EOS ignored,
+`Engine.ignore_eos`), so that runs and steps compare. The floor: after each step, a bare
+`LLM.generate` of the step's prompts with the same n, temperature, top_p and max_tokens (and
+nothing else: no logprobs, no per-prompt seeds), on the same engine in the same process, woken and
+synced as for a rollout (the prefix cache emptied).
 The line holds the median over the steps after the first of each phase's seconds (rank 0's
-clock): generate (the trainer's, without the floor), sync (wake, gather, load), reward, sleep,
-logprobs (old-policy and reference passes, when the variant has them), train (the update),
-switch_out/in (model.offload); step is the step's wall time without the floor. Then
-generate / floor, tokens per second (response tokens per engine; prompt + response tokens of the
-whole step per rank), and on accelerators the device memory that the engine's sleep and the
+clock, from metrics.jsonl): generate, sync (wake, gather, load), reward, sleep, logprobs
+(old-policy and reference passes, when the variant has them), train (the update),
+switch_out/in (model.offload), and the step; then the floor, generate / floor, tokens per second
+(response tokens per engine; prompt + response tokens of the whole step per rank), the median
+engine/trainer logprob gap, and on accelerators the device memory that the engine's sleep and the
 context switch (switch_out) freed.
 """
 
@@ -38,8 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
-import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+import weight_sync  # noqa: E402
 from common import add_model_args, model_from_args  # noqa: E402
 from data import DataConfig  # noqa: E402
 from rewards import RewardConfig  # noqa: E402
@@ -48,47 +47,23 @@ PHASES = ("generate", "floor", "sync", "reward", "sleep", "logprobs", "train", "
           "switch_in", "step")
 
 
-class BenchEngine(rollout.Engine):
-    """The trainer's engine, responses forced to full length, with the floor measured beside
-    every rollout generate. `steps` gets one entry per weight load (one per training step)."""
+def floor(run, ro) -> dict:
+    """A bare LLM.generate of the rollout's prompts on the run's engine, woken and synced as for a
+    rollout: its seconds and response tokens. The engine sleeps again after."""
+    from vllm import SamplingParams
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ignore_eos = True
-        self.steps = []
-
-    def load_weights(self, named_tensors) -> None:
-        super().load_weights(named_tensors)
-        self.steps.append(dict(generate=0.0, floor=0.0, tokens=0, floor_tokens=0))
-
-    def generate(self, prompt_ids, n, greedy=False, seed=None):
-        from vllm import SamplingParams
-
-        if greedy:
-            return super().generate(prompt_ids, n, greedy, seed)
-        step = self.steps[-1]
-        params = SamplingParams(n=n, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                max_tokens=self.cfg.max_new_tokens, ignore_eos=True)
-
-        def floor():
-            self.llm.reset_prefix_cache()
-            t = time.perf_counter()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                     use_tqdm=False)
-            step["floor"] += time.perf_counter() - t
-            step["floor_tokens"] += sum(len(c.token_ids) for o in outs for c in o.outputs)
-
-        floor_first = len(self.steps) % 2 == 0
-        if floor_first:
-            floor()
-        self.llm.reset_prefix_cache()
-        t = time.perf_counter()
-        samples = super().generate(prompt_ids, n, greedy, seed)
-        step["generate"] += time.perf_counter() - t
-        step["tokens"] += sum(len(s.response_ids) for s in samples)
-        if not floor_first:
-            floor()
-        return samples
+    r, G = run.cfg.rollout, run.cfg.grpo.group_size
+    prompts = [{"prompt_token_ids": s.prompt_ids} for s in ro.samples[::G]]
+    params = SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p,
+                            max_tokens=r.max_new_tokens, ignore_eos=True)
+    weight_sync.push(run.actor, run.engine)  # wakes weights and KV cache; empties the prefix cache
+    t = time.perf_counter()
+    outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    run.engine.sleep()
+    return {"floor": seconds, "floor_tokens": sum(len(c.token_ids) for o in outs
+                                                  for c in o.outputs),
+            "tokens": sum(len(s.response_ids) for s in ro.samples)}
 
 
 def synthetic_prompts(path: str, n: int, length: int) -> str:
@@ -117,14 +92,14 @@ def summary(rows: list[dict], steps: list[dict], cfg, world: int) -> dict:
     rows, steps = rows[1:] or rows, steps[1:] or steps
     phase = {name: [] for name in PHASES}
     for row, s in zip(rows, steps):
-        for name in ("sync", "reward", "sleep", "logprobs", "train", "switch_out", "switch_in"):
+        for name in ("sync", "reward", "sleep", "logprobs", "train", "switch_out", "switch_in",
+                     "step"):
             phase[name].append(row.get(f"{name}_time_s", 0.0))
-        phase["generate"].append(s["generate"])
+        phase["generate"].append(row["gen_time_s"])
         phase["floor"].append(s["floor"])
-        phase["step"].append(row["step_time_s"] - s["floor"])
     med = {name: statistics.median(v) for name, v in phase.items()}
-    ratios = [s["generate"] / s["floor"] for s in steps]
-    # tokens_per_s: prompt + response tokens of all ranks over the step's time (with the floor)
+    ratios = [row["gen_time_s"] / s["floor"] for row, s in zip(rows, steps)]
+    # tokens_per_s: prompt + response tokens of all ranks over the step's time
     step_tokens = statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in rows)
     out = {"device": npu_ops.device_type(), "world": world, "params_m": params_m(cfg.model.path),
            "dtype": cfg.rollout.dtype, "new_tokens": cfg.rollout.max_new_tokens,
@@ -134,10 +109,11 @@ def summary(rows: list[dict], steps: list[dict], cfg, world: int) -> dict:
            "generate_over_floor": round(statistics.median(ratios), 3),
            "generate_over_floor_range": [round(min(ratios), 3), round(max(ratios), 3)],
            "generate_tokens_per_s": round(statistics.median(
-               s["tokens"] / s["generate"] for s in steps)),
+               s["tokens"] / row["gen_time_s"] for row, s in zip(rows, steps))),
            "floor_tokens_per_s": round(statistics.median(
                s["floor_tokens"] / s["floor"] for s in steps)),
-           "step_tokens_per_s_per_rank": round(step_tokens / med["step"] / world)}
+           "step_tokens_per_s_per_rank": round(step_tokens / med["step"] / world),
+           "logp_gap": statistics.median(r["logp_gap"] for r in rows)}
     last = rows[-1]
     for event in ("sleep", "switch_out"):  # accelerators: device memory before - after
         if f"mem_{event}_before_gb" in last:
@@ -159,26 +135,23 @@ def main() -> None:
         "--log.save_every=0", "--log.samples_every=0", "--log.wandb=disabled"])
     if args.shape or args.hidden:  # a random model of those shapes, prompts of the tiny alphabet
         npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, tp_size=cfg.rollout.tp_size)
-        rank, _ = train_grpo.init_distributed()  # train() joins the same process group
+        rank, _ = train_grpo.init_distributed()  # setup() joins the same process group
         cfg.model.path = model_from_args(args, rank)
         prompts = os.path.join(out, f"prompts_{rank}.jsonl")  # every rank writes its own copy
         synthetic_prompts(prompts, 4 * cfg.grpo.prompts_per_step, args.prompt_len)
         cfg.data = DataConfig(path=prompts, max_prompt_len=args.prompt_len)
         cfg.reward = RewardConfig(funcs=["tiny_sum"])
-    engines = []
-
-    def bench_engine(*a, **k):  # train() builds its engine through rollout.Engine
-        engines.append(BenchEngine(*a, **k))
-        return engines[-1]
-
-    rollout.Engine = bench_engine
-    train_grpo.train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        print(json.dumps(summary(rows, engines[0].steps, cfg, world)), flush=True)
-    shutil.rmtree(out, ignore_errors=True)  # this rank's (the final export: 2 GB for 0.5B fp32)
+    rows, steps = [], []
+    with train_grpo.setup(cfg) as run:
+        run.engine.ignore_eos = True  # bench-only: every response runs to max_new_tokens
+        for _ in range(args.steps):
+            metrics, ro = train_grpo.train_step(run, return_rollout=True)
+            rows.append(metrics)
+            steps.append(floor(run, ro))
+        rank, world = run.rank, run.world
+    if rank == 0:  # after the run's close: its progress bar has ended its line
+        print(json.dumps(summary(rows, steps, cfg, world)), flush=True)
+    shutil.rmtree(out, ignore_errors=True)  # this rank's temporary run directory
 
 
 if __name__ == "__main__":

@@ -93,22 +93,49 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     assert all(r["switch_out_time_s"] > 0 and r["switch_in_time_s"] > 0 for r in rows)
 
 
-def test_notebook_style_world_of_one(tiny_task_dir, tmp_path):
-    """No torchrun: `from train_grpo import load_config, train` in a plain Python process."""
-    code = ("from train_grpo import load_config, train\n"
-            f"cfg = load_config('configs/tiny_cpu.yaml', ['--train.steps=3', "
-            f"'--data.tiny_task_dir={tiny_task_dir}', '--log.out_dir={tmp_path}', "
-            "'--grpo.prompts_per_step=8'])\n"
-            "m = train(cfg)\n"
-            "import torch.distributed as dist\n"
-            "assert not dist.is_initialized()\n"
-            "print('RESULT', m['step'], m['reward_mean'])\n")
+def test_notebook_steps_equal_a_plain_run(tiny_task_dir, tmp_path):
+    """No torchrun, as in a notebook: setup() and three train_step() calls in one process, the
+    rollout looked at in between; the three steps equal the first three of `python
+    train_grpo.py` with the same seed (a plain train() run), reward for reward."""
+    args = ["--train.steps=3", f"--data.tiny_task_dir={tiny_task_dir}",
+            "--grpo.prompts_per_step=8", "--log.eval_every=0"]
+    code = f"""
+import json, torch, grpo
+from train_grpo import load_config, setup, train_step
+cfg = load_config("configs/tiny_cpu.yaml", {args!r} + ["--log.out_dir={tmp_path / 'nb'}"])
+G, rewards = cfg.grpo.group_size, []
+with setup(cfg) as run:
+    for step in range(3):
+        metrics, ro = train_step(run, return_rollout=True)
+        n = cfg.grpo.prompts_per_step * G
+        assert len(ro.samples) == len(ro.texts) == len(ro.scores) == len(ro.adv) == n
+        assert len(ro.examples) == n and len(ro.keep) == len(ro.constant) == n // G
+        assert ro.trained == list(range(n)) and ro.rounds == 1
+        assert all(0 < len(s.response_ids) <= cfg.rollout.max_new_tokens for s in ro.samples)
+        assert all(len(s.logp) == len(s.response_ids) for s in ro.samples)
+        want = grpo.group_advantages(torch.tensor(ro.scores, dtype=torch.float64), G)
+        assert torch.equal(torch.tensor(ro.adv, dtype=torch.float64), want)
+        assert metrics["step"] == step + 1 and "grad_norm" in metrics
+        assert metrics["reward_mean"] == sum(ro.scores) / n
+        rewards.append(metrics["reward_mean"])
+    assert run.step == 3
+import torch.distributed as dist
+assert not dist.is_initialized()  # the run's close() left the process group
+print("REWARDS", json.dumps(rewards))
+"""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": ROOT}, timeout=600)
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "RESULT 3 " in proc.stdout
-    assert len(open(tmp_path / "metrics.jsonl").readlines()) == 3
+    stepped = json.loads(proc.stdout.split("REWARDS", 1)[1])
+    plain = subprocess.run([sys.executable, "train_grpo.py", "--config", "configs/tiny_cpu.yaml",
+                            *args, f"--log.out_dir={tmp_path / 'plain'}"], cwd=ROOT,
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "plain" / "metrics.jsonl")]
+    assert [r["reward_mean"] for r in rows] == stepped
+    assert (tmp_path / "plain" / "final" / "model.safetensors").exists()  # train() exports
 
 
 def test_two_nodes_of_one_rank(tmp_path):

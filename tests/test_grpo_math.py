@@ -6,11 +6,12 @@ import statistics
 import pytest
 import torch
 
-from rollout import Sample
+import tracking
 from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, grpo_loss,
                   kl_penalty, masked_entropy_sum, mismatch_stats, mismatch_weights,
                   overlong_penalty, pad_batch, plan_micro_batches, split_mini_batches,
                   take_groups, token_logprobs)
+from rollout import Sample
 
 
 def test_advantages_hand_computed():
@@ -206,17 +207,20 @@ def test_mismatch_weights_against_loop():
 def test_mismatch_stats_against_loop():
     old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([-3.0, -0.1, -0.2])]
     engine = [[-1.1, -1.0], [-0.5], [-3.0, -0.1, -1.2]]
-    sums, hi, lo = mismatch_stats(old, engine, cap=2.0)
+    m = mismatch_stats(old, engine, cap=2.0)
     flat = [(o, e) for os_, es in zip(old, engine) for o, e in zip(os_.tolist(), es)]
     ratios = [math.exp(o - e) for o, e in flat]
-    assert sums["mm_tokens"] == 6 and sums["mm_seqs"] == 3
-    assert abs(sums["logp_gap"] - sum(abs(o - e) for o, e in flat)) < 1e-6
-    assert abs(sums["is_ratio_mean"] - sum(ratios)) < 1e-6
-    assert sums["is_above_cap_frac"] == sum(r > 2 for r in ratios) == 1  # exp(1.0)
+    assert m["logp_gap"].count == m["is_ratio_mean"].count == m["is_above_cap_frac"].count == 6
+    assert m["seq_outside_cap_frac"].count == 3
+    assert abs(m["logp_gap"].total - sum(abs(o - e) for o, e in flat)) < 1e-6
+    assert abs(m["is_ratio_mean"].total - sum(ratios)) < 1e-6
+    assert m["is_above_cap_frac"].total == sum(r > 2 for r in ratios) == 1  # exp(1.0)
     # sequence ratios: exp(0.1 - 1.0) = 0.41, exp(0) = 1, exp(1.0) = 2.72: two leave [1/2, 2]
-    assert sums["seq_outside_cap_frac"] == 2
-    assert abs(hi["is_ratio_max"] - max(ratios)) < 1e-6
-    assert abs(lo["is_ratio_min"] - min(ratios)) < 1e-6
+    assert m["seq_outside_cap_frac"].total == 2
+    assert isinstance(m["is_ratio_max"], tracking.Max) and isinstance(m["is_ratio_min"],
+                                                                      tracking.Min)
+    assert abs(m["is_ratio_max"].value - max(ratios)) < 1e-6
+    assert abs(m["is_ratio_min"].value - min(ratios)) < 1e-6
 
 
 def test_advantages_without_std_scaling_and_constant_groups():

@@ -120,6 +120,31 @@ def test_kernel_choice(monkeypatch):
     assert npu_ops.dist_backend() == "cpu:gloo,npu:hccl"
 
 
+def test_auto_kernels_leave_other_families_alone_on_npu(monkeypatch, restore_rotary):
+    """model.fused_kernels=auto on the NPU path (device stubbed): a Qwen model gets the fused
+    kernels; a Llama, whose family row has none, is left as transformers builds it (the same
+    logits, no kernel called) instead of failing the run. Asking for them explicitly still
+    fails."""
+    import fsdp_utils
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    standin = npu_ops.KERNELS = StandInTorchNpu()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2))
+    ids = torch.randint(0, 16, (2, 9))
+    want = llama(input_ids=ids).logits
+    report = fsdp_utils.patch_kernels(llama, "auto")
+    assert report[0].startswith("none (fused kernels are not written for model_type 'llama'")
+    assert torch.equal(llama(input_ids=ids).logits, want)
+    assert standin.calls == {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
+    qwen = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3")
+    assert fsdp_utils.patch_kernels(qwen, "auto")[0].startswith("9 RMSNorm -> rms_norm_fused")
+    with pytest.raises(ValueError, match="dense Qwen2/Qwen3, not LlamaForCausalLM"):
+        fsdp_utils.patch_kernels(llama, "fused")
+
+
 def test_patch_refuses_other_architectures():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -238,7 +263,7 @@ def test_memory_comes_from_the_device_module(monkeypatch):
 
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "empty_cache"):
         monkeypatch.setattr(torch.accelerator, name, unreachable, raising=False)
-    assert npu_ops.memory_gb() == {"allocated": 3.0, "reserved": 5.0, "peak": 4.0}
+    assert npu_ops.memory_gb() == {"allocated": 3.0, "peak": 4.0}
     assert npu_ops.device_memory_used_gb() == 54.0
     npu_ops.release_cached_memory()
     assert fake.emptied

@@ -10,7 +10,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-import fsdp_utils
+import checkpoint
 from conftest import ROOT, free_port, launch
 
 
@@ -81,12 +81,12 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
     ckpts = out / "checkpoints"
     assert (ckpts / "step_000004.tmp").is_dir()  # the write really was cut short
     assert not (ckpts / "step_000004").exists()
-    assert fsdp_utils.latest_checkpoint(str(out)) == str(ckpts / "step_000002")
+    assert checkpoint.latest_checkpoint(str(out)) == str(ckpts / "step_000002")
 
     resumed = launch(["train_grpo.py", *common, "--train.steps=5", "--train.resume=true"])
     assert "continuing after step 2" in resumed
     assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    assert fsdp_utils.complete_checkpoints(str(out)) == [str(ckpts / "step_000002"),
+    assert checkpoint.complete_checkpoints(str(out)) == [str(ckpts / "step_000002"),
                                                          str(ckpts / "step_000004")]
     assert not (ckpts / "step_000004.tmp").exists()  # the crashed write was cleared
     assert (out / "final" / "model.safetensors").exists()

@@ -1,5 +1,7 @@
 """weight_sync.push with a recording engine: order, names, dtype, on a plain and an FSDP2 model."""
 
+import time
+
 import torch
 
 import tiny_task
@@ -24,18 +26,31 @@ class RecordingEngine:
 def test_push_order_names_dtype_and_tied_head():
     model = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
     engine = RecordingEngine("bfloat16")
-    stats = weight_sync.push(model, engine)
 
-    # weights wake first, then the load, then the KV cache: never load into a sleeping engine
-    assert engine.calls == [("wake", ("weights",)), ("load_weights",), ("wake", ("kv_cache",))]
-    # every checkpoint tensor, under its HF name, including the tied lm_head sent explicitly
+    def switch_out():  # what the loop runs there: the actor out of device memory
+        engine.calls.append(("switch_out",))
+        time.sleep(0.3)
+
+    t = time.perf_counter()
+    stats = weight_sync.push(model, engine, before_kv_cache=switch_out)
+    wall = time.perf_counter() - t
+    # weights wake first, then the load, then the KV cache: never load into a sleeping engine;
+    # the switch comes between the load and the KV cache, and its time is not the sync's
+    assert engine.calls == [("wake", ("weights",)), ("load_weights",), ("switch_out",),
+                            ("wake", ("kv_cache",))]
+    assert 0 < stats["seconds"] <= wall - 0.3
+    # every checkpoint tensor, under its HF name, including the tied lm_head sent explicitly;
+    # each decoder layer's tensors together and in order, the embedding and the head last
+    names = list(engine.received)
+    assert names[-2:] == ["model.embed_tokens.weight", "lm_head.weight"]
+    layer_of = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layer_of == sorted(layer_of) and names.index("model.norm.weight") > len(layer_of) - 1
     assert set(engine.received) == set(model.state_dict())
     assert "lm_head.weight" in engine.received
     for name, tensor in model.state_dict().items():
         assert engine.received[name].dtype == torch.bfloat16
         assert torch.equal(engine.received[name], tensor.to(torch.bfloat16)), name
     assert stats["bytes"] == sum(t.numel() * 2 for t in model.state_dict().values())
-    assert stats["seconds"] >= 0
 
 
 def test_wrapper_prefixes_are_stripped():
@@ -120,6 +135,28 @@ def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
                              "wake_kv_cache": (4.0, 5.0)}
 
 
+def test_a_sleeping_engine_wakes_before_it_shuts_down(monkeypatch):
+    """vLLM's sleep-mode allocator fails (CUDA) or throws (Ascend) when the memory of a sleeping
+    engine is freed: shutdown wakes what sleeps first, each tag once, and nothing that is awake."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    for before in ("asleep", "weights awake", "awake"):
+        fake = FakeLLM()
+        monkeypatch.setattr(parallel_state, "cleanup_dist_env_and_memory",
+                            lambda: fake.calls.append(("cleanup",)))
+        engine = engine_with(fake)
+        if before != "awake":
+            engine.sleep()
+        if before == "weights awake":
+            engine.wake(["weights"])
+        fake.calls.clear()
+        engine.shutdown()
+        woken = {"asleep": [("wake_up", ("weights",)), ("wake_up", ("kv_cache",))],
+                 "weights awake": [("wake_up", ("kv_cache",))], "awake": []}[before]
+        assert fake.calls == woken + [("cleanup",)], before
+        assert not hasattr(engine, "llm")
+
+
 def test_only_the_rotary_reload_warning_is_dropped():
     import logging
 
@@ -160,9 +197,11 @@ def test_units_and_both_gathers_of_an_fsdp_model(tiny_models, tmp_path):
                                        init_device_mesh("cpu", (1,)))
         groups = weight_sync.units(model)
         layers = model.config.num_hidden_layers
-        assert [unit for unit, _ in groups] == [model, *model.model.layers]
+        # the decoder layers first; the root (embedding, final norm) last, the embedding last
+        assert [unit for unit, _ in groups] == [*model.model.layers, model]
+        assert groups[-1][1] == ["model.norm.weight", "model.embed_tokens.weight"]
         assert {n for _, names in groups for n in names} == {n for n, _ in model.named_parameters()}
-        assert [len(names) for _, names in groups][1:] == [
+        assert [len(names) for _, names in groups][:-1] == [
             len(list(model.model.layers[0].parameters()))] * layers
         for sync_by in ("tensor", "unit"):
             engine = RecordingEngine("bfloat16")
@@ -173,5 +212,34 @@ def test_units_and_both_gathers_of_an_fsdp_model(tiny_models, tmp_path):
             for name, p in model.named_parameters():
                 expected = p.full_tensor().to(torch.bfloat16)
                 assert torch.equal(engine.received[name], expected), (sync_by, name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_llama_shards_and_syncs_under_its_family_names(tmp_path):
+    """A family other than Qwen (Llama, tied embeddings) through build_actor and push: one FSDP
+    unit per decoder layer where its family row says they are, and the shared embedding sent
+    under both of the row's names."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fsdp_utils
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=3, num_attention_heads=2,
+                                 tie_word_embeddings=True)).save_pretrained(tmp_path / "llama")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=str(tmp_path / "llama"),
+                                                              param_dtype="float32"),
+                                       init_device_mesh("cpu", (1,)))
+        assert [unit for unit, _ in weight_sync.units(model)] == [*model.model.layers, model]
+        engine = RecordingEngine("float32")
+        weight_sync.push(model, engine)
+        assert set(engine.received) == {n for n, _ in model.named_parameters()} | {
+            "lm_head.weight"}
+        assert torch.equal(engine.received["lm_head.weight"],
+                           engine.received["model.embed_tokens.weight"])
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The Hugging Face export (fsdp_utils.save_hf) is the trained actor: transformers and the vLLM
+"""The Hugging Face export (checkpoint.save_hf) is the trained actor: transformers and the vLLM
 engine, each loading the exported directory, give the FSDP actor's logprobs within 1e-4 (fp32).
 Usage: torchrun --nproc_per_node 2 tests/workers/export_parity.py MODEL_DIR EXPORT_DIR
 """
@@ -11,6 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoint
 import fsdp_utils
 import npu_ops
 import rollout
@@ -30,7 +31,7 @@ for step in range(2):  # real updates on rank-specific targets: the export is no
     (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
     opt.step()
     opt.zero_grad()
-fsdp_utils.save_hf(actor, tok, out, source=model_dir)
+checkpoint.save_hf(actor, tok, out, source=model_dir)
 for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
     assert os.path.isfile(os.path.join(out, name)), name
 with open(os.path.join(model_dir, "generation_config.json")) as f, \

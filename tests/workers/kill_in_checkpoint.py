@@ -26,5 +26,5 @@ def save_then_wait(state, checkpoint_id):
         time.sleep(3600)
 
 
-dcp.save = save_then_wait  # fsdp_utils calls dcp.save through the module
+dcp.save = save_then_wait  # checkpoint.py calls dcp.save through the module
 train_grpo.main(sys.argv[3:])
