@@ -11,7 +11,8 @@ from conftest import ROOT
 
 # file -> project modules it may import (README's Files table; tiny_task is the built-in task)
 ALLOWED = {
-    "npu_ops": set(), "rewards": set(), "tiny_task": set(), "data": {"config"}, "tracking": set(),
+    "npu_ops": set(), "plugins": set(), "rewards": {"plugins"}, "tiny_task": set(),
+    "data": {"config"}, "tracking": set(),
     "fsdp_utils": {"npu_ops"}, "checkpoint": {"npu_ops"}, "rollout": {"npu_ops"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "grpo": {"fsdp_utils", "tracking"},  # the algorithm: nothing of engines, files or the loop
@@ -68,7 +69,7 @@ def test_device_names_only_in_npu_ops():
 def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
-            "import grpo, config, tracking, checkpoint, data\n"
+            "import grpo, config, tracking, checkpoint, data, plugins\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

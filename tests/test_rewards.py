@@ -140,12 +140,12 @@ def test_resolve(plugin):
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("nope", "not a built-in reward (tiny_sum, gsm8k, math, format)"),
+    ("nope", "not a built-in (tiny_sum, gsm8k, math, format)"),
     ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
     ("no/such/file.py:fn", "file 'no/such/file.py' not found"),
     ("my_reward_mod:missing", "'my_reward_mod' has no 'missing'"),
     ("my_reward_mod:not_a_function", "is a int, not a function"),
-    ("my_reward_mod:one_arg", "cannot be called as fn(completion, example) (signature (x))"),
+    ("my_reward_mod:one_arg", "cannot be called with two arguments (signature (x))"),
 ])
 def test_resolve_errors_are_one_line_and_name_the_field(plugin, spec, says):
     with pytest.raises(ValueError) as info:
@@ -203,7 +203,7 @@ def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
         with rewards.Scorer(rewards.RewardConfig(funcs=funcs, weights=[1.0, 0.5, 0.25],
                                                  timeout_s=timeout_s)) as scorer:
             outs.append(scorer.score(texts, examples))
-            assert scorer._proc is None or timeout_s > 0  # no worker started in-process
+            assert scorer.worker._proc is None or timeout_s > 0  # no worker started in-process
         assert my_reward_mod.SEEN == ([] if timeout_s else texts)
     assert outs[0] == outs[1]
     assert outs[1]["by_name"]["my_reward_mod:recording"] == [0, 1, 0, 0, 0]
@@ -233,7 +233,7 @@ def test_scorer_survives_the_worker_dying(plugin):
     with rewards.Scorer(cfg) as scorer:
         out = scorer.score(["a", "crash", "b"], [{}] * 3)
         assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0
-        proc = scorer._proc
+        proc = scorer.worker._proc
     assert not proc.is_alive()  # close() reaped it
 
 
