@@ -14,6 +14,7 @@ import typing
 
 import torch
 
+import episodes
 import grpo
 import npu_ops
 import rewards
@@ -177,6 +178,7 @@ def validate(cfg, world_size: int) -> None:
         npu_ops.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
         npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
+        episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
     except ValueError as e:
         raise BadInput(str(e)) from None
     if not cfg.data.tiny_task_dir:  # data sources are checked when they load (data.py)

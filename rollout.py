@@ -75,9 +75,16 @@ class RolloutConfig:
 @dataclass
 class Sample:
     prompt_ids: list[int]
-    response_ids: list[int]
-    logp: list[float]  # the engine's logprob of each sampled token (post-temperature)
-    truncated: bool  # stopped at max_new_tokens, not at EOS
+    response_ids: list[int]  # all that follows the prompt (in an episode: every turn and reply)
+    logp: list[float]  # the engine's logprob of each response token (post-temperature; 0 where
+    #   the environment wrote it)
+    truncated: bool  # stopped at max_new_tokens, not at EOS (an episode: stopped at a limit)
+    mask: list[int] | None = None  # 1 where the model wrote the token, 0 where the environment
+    #   did (episodes.py); None: every response token is the model's
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.response_ids) if self.mask is None else sum(self.mask)
 
 
 @dataclass
@@ -98,16 +105,24 @@ class Rollout:
     timeouts: int = 0  # reward calls cut at reward.timeout_s (scored 0)
     rounds: int = 0  # generation rounds (dynamic sampling draws fresh prompts)
     trained: list[int] = field(default_factory=list)  # the samples the update takes
+    # episodes (episodes.py), per sample: model turns, whether the environment failed or was
+    # cut (scored 0), whether a limit (turns, tokens) ended it; and the environment's counts
+    turns: list[int] = field(default_factory=list)
+    failed: list[bool] = field(default_factory=list)
+    limited: list[bool] = field(default_factory=list)
+    env_errors: int = 0
+    env_timeouts: int = 0
+    env_seconds: float = 0.0
 
     def extend(self, other: "Rollout") -> None:
         """Append another round's samples and counts."""
-        for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep"):
+        for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep", "turns",
+                     "failed", "limited"):
             getattr(self, name).extend(getattr(other, name))
         for name, values in other.by_name.items():
             self.by_name.setdefault(name, []).extend(values)
-        self.errors += other.errors
-        self.timeouts += other.timeouts
-        self.rounds += other.rounds
+        for name in ("errors", "timeouts", "rounds", "env_errors", "env_timeouts", "env_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class Engine:
@@ -149,29 +164,33 @@ class Engine:
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
-                 seed: int | None = None) -> list[Sample]:
+                 seed: int | None = None, max_tokens: list[int] | None = None) -> list[Sample]:
         """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major.
 
         With `seed`, sample j of prompt i uses seed + i * n + j, so a step's samples depend on the
-        step's seed and weights only, not on what the engine sampled before (exact resume)."""
+        step's seed and weights only, not on what the engine sampled before (exact resume).
+        max_tokens: each prompt's limit on new tokens (default: rollout.max_new_tokens)."""
         from vllm import SamplingParams
 
         assert not self.asleep, "wake the engine before generate"
         # logprobs=0: the sampled token's only. flat_logprobs, detokenize=False: the logprobs
         # come back as flat lists, and no text (the trainer decodes once, for the rewards):
         # vLLM's default, a dict per token with each logprob token decoded, costs a large share
-        # of generation (README, Benchmarks). Both options exist in vLLM 0.23, 0.26 and 0.32 (sampling_params.py; FlatLogprobs in logprobs.py, filled by
-        # v1/engine/logprobs.py with the sampled token first at each position: with logprobs=0
-        # the only one). No stop strings here, which need the text.
-        # One SamplingParams for all prompts unless each needs its own seed.
+        # of generation (README, Benchmarks). Both options exist in vLLM 0.23, 0.26 and 0.32
+        # (sampling_params.py; FlatLogprobs in logprobs.py, filled by v1/engine/logprobs.py
+        # with the sampled token first at each position: with logprobs=0 the only one). No stop
+        # strings here, which need the text.
+        # One SamplingParams for all prompts unless each needs its own seed or limit.
         def sampling(i: int):
             return SamplingParams(
                 n=n, temperature=0.0 if greedy else self.cfg.temperature,
-                top_p=1.0 if greedy else self.cfg.top_p, max_tokens=self.cfg.max_new_tokens,
+                top_p=1.0 if greedy else self.cfg.top_p,
+                max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens[i],
                 logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos,
                 seed=None if seed is None else seed + i * n)
 
-        params = sampling(0) if seed is None else [sampling(i) for i in range(len(prompt_ids))]
+        params = (sampling(0) if seed is None and max_tokens is None
+                  else [sampling(i) for i in range(len(prompt_ids))])
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=False)
         samples = []

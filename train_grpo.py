@@ -35,6 +35,7 @@ import torch.distributed as dist
 import checkpoint
 import config
 import data
+import episodes
 import fsdp_utils
 import grpo
 import rewards
@@ -43,6 +44,7 @@ import tiny_task
 import tracking
 import weight_sync
 from data import DataConfig
+from episodes import EnvConfig
 from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
 from rewards import RewardConfig
@@ -70,6 +72,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -94,6 +97,7 @@ class Run:
     examples: list = field(default_factory=list)  # the training prompts (data.load_examples)
     eval_examples: list = field(default_factory=list)
     scorer: rewards.Scorer = None
+    episodes: "episodes.Episodes" = None  # one turn per sample, or episodes with an environment
     engine: rollout.Engine = None
     actor: torch.nn.Module = None
     ref: torch.nn.Module = None  # the frozen reference, with grpo.kl_coef > 0
@@ -106,23 +110,15 @@ class Run:
     drawn: int = 0  # prompts drawn from `order` so far, over all engine groups
     bar: object = None
 
-    @property
-    def engine_idx(self) -> int:  # this rank's engine group: consecutive ranks of rollout.tp_size
-        return self.rank // self.cfg.rollout.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.cfg.rollout.tp_size
-
-    @property
-    def n_engines(self) -> int:
-        return self.world // self.cfg.rollout.tp_size
+    def __post_init__(self):  # engine groups: consecutive ranks of rollout.tp_size (validated)
+        tp = max(1, self.cfg.rollout.tp_size)
+        self.engine_idx, self.tp_rank, self.n_engines = *divmod(self.rank, tp), self.world // tp
 
     def close(self) -> None:
         """Stop the reward worker and the engine, and leave the process group. The actor, its
         optimizer and the reference are let go first: a sleeping engine wakes to shut down
         cleanly, and needs their memory (rollout.Engine.shutdown)."""
-        for part in (self.bar, self.tracker, self.scorer):
+        for part in (self.bar, self.tracker, self.scorer, self.episodes):
             if part is not None:
                 part.close()
         self.actor = self.ref = self.opt = self.sched = self.swap = None
@@ -167,6 +163,8 @@ def setup(cfg: Config) -> Run:
                                                 cfg.data.eval_path)
                              if cfg.log.eval_every and cfg.data.eval_path else run.examples)
         run.scorer = rewards.Scorer(cfg.reward)  # a worker process: a hang is cut at its limit
+        run.episodes = episodes.Episodes(cfg.env, run.tokenizer, cfg.data.chat_template,
+                                         cfg.data.prompt_key, cfg.rollout.max_new_tokens)
         # the engine first: building vLLM reseeds torch
         run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.engine_idx)
         run.engine.sleep()  # before the actor loads: the memory is training's until the sync
@@ -207,8 +205,8 @@ def train_step(run: Run, return_rollout: bool = False):
     step, t_step = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     # 1) rollout: the actor's weights into the engine (wake weights -> load -> wake KV cache),
-    #    then G samples for each of this engine group's next prompts, in rounds: one, unless
-    #    dynamic sampling (DAPO) draws fresh prompts to refill the batch
+    #    then G samples (episodes, with an environment) for each of this engine group's next
+    #    prompts, in rounds: one, unless dynamic sampling (DAPO) draws fresh prompts to refill
     sync = weight_sync.push(run.actor, run.engine, before_kv_cache=run.swap.out)
     ro, times = rollout.Rollout(), {"gen": 0.0, "reward": 0.0, "sync": sync["seconds"]}
     while True:
@@ -216,13 +214,12 @@ def train_step(run: Run, return_rollout: bool = False):
         seed = (random.Random(f"{cfg.rollout.seed}/{step}/{run.engine_idx}/{ro.rounds + 1}")
                 .getrandbits(48) if cfg.rollout.seed_per_step else None)
         t = time.perf_counter()
-        samples = run.engine.generate([ex["prompt_ids"] for ex in batch], n=g.group_size,
-                                      seed=seed)
+        generated = run.episodes.run(run.engine, batch, g.group_size, seed=seed)
         times["gen"] += time.perf_counter() - t
         # 2) reward: scores, shaped (overlong penalty) into advantages within each group; with
         #    dynamic sampling, the groups whose rewards are all equal are dropped
         t = time.perf_counter()
-        ro.extend(score(run, batch, samples))
+        ro.extend(score(run, generated))
         times["reward"] += time.perf_counter() - t
         kept = kept_per_engine(sum(ro.keep), tp)  # groups, one entry per engine group
         if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
@@ -253,7 +250,8 @@ def train_step(run: Run, return_rollout: bool = False):
 
     # 4) log: the step's metrics over all ranks; eval and checkpoints on their schedule
     metrics = tracking.reduce({
-        "step": step, **rollout_metrics(ro, len(groups), run.tp_rank, tp), **update,
+        "step": step, **rollout_metrics(ro, len(groups), run.tp_rank, tp, bool(cfg.env.name)),
+        **update,
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "sync_gb": sync["bytes"] / 2**30,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
@@ -262,7 +260,7 @@ def train_step(run: Run, return_rollout: bool = False):
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step"]
     if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.steps):
         scores, rows = evaluate(run.engine, run.actor, run.eval_examples, run.scorer,
-                                run.tokenizer, run.engine_idx, run.n_engines, cfg.log.eval_k)
+                                run.episodes, run.engine_idx, run.n_engines, cfg.log.eval_k)
         metrics.update(scores)
         run.tracker.log_samples("eval_samples.jsonl", step,
                                 *(r[:cfg.log.eval_examples] for r in rows))
@@ -270,8 +268,8 @@ def train_step(run: Run, return_rollout: bool = False):
     run.bar.update(1)
     if cfg.log.samples_every and step % cfg.log.samples_every == 0:
         few = range(0, min(len(ro.texts), 4 * g.group_size), g.group_size)  # 4 groups' first
-        run.tracker.log_samples("samples.jsonl", step, *([getattr(ro, k)[i] for i in few]
-                                                         for k in ("examples", "texts", "scores")))
+        run.tracker.log_samples("samples.jsonl", step, [ro.examples[i] for i in few],
+                                [completions(ro)[i] for i in few], [ro.scores[i] for i in few])
     if cfg.log.save_every and step % cfg.log.save_every == 0:
         checkpoint.save_checkpoint(cfg.log.out_dir, step, run.actor, run.opt, run.sched,
                                    cfg.log.keep_checkpoints, extra={"drawn": run.drawn})
@@ -299,26 +297,24 @@ def draw_prompts(run: Run) -> list[dict]:
     return [run.examples[run.order[(start + i) % len(run.examples)]] for i in range(per_engine)]
 
 
-def score(run: Run, batch: list, samples: list) -> rollout.Rollout:
-    """One round's rollout: G samples per prompt of `batch` scored, the rewards shaped (overlong
-    penalty) into advantages within each group. Every rank of an engine group gets the same."""
+def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
+    """One round's rollout scored: its rewards (0 for an episode whose environment failed),
+    shaped (overlong penalty) into advantages within each group of G. Every rank of an engine
+    group gets the same."""
     g, G = run.cfg.grpo, run.cfg.grpo.group_size
-    texts = run.tokenizer.batch_decode([s.response_ids for s in samples],
-                                       skip_special_tokens=True)
-    examples = [ex for ex in batch for _ in range(G)]
-    out = run.scorer.score(texts, examples)
-    shaped = torch.tensor(out["reward"], dtype=torch.float64)  # (B*G,)
-    if g.overlong == "penalty":
-        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-        shaped += grpo.overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
-                                        g.overlong_buffer, g.overlong_penalty_factor)
-    constant = grpo.constant_groups(shaped, G).tolist()  # (B,)
-    return rollout.Rollout(
-        samples=samples, examples=examples, texts=texts, scores=out["reward"],
-        adv=grpo.group_advantages(shaped, G, g.adv_eps, g.scale_adv_by_std).tolist(),
-        by_name=out["by_name"], constant=constant,
-        keep=[not (c and g.dynamic_sampling) for c in constant],  # constant: no gradient
-        errors=out["errors"], timeouts=out["timeouts"], rounds=1)
+    out = judge(run.scorer, ro)
+    ro.scores, ro.by_name = out["reward"], out["by_name"]
+    shaped = torch.tensor(ro.scores, dtype=torch.float64)  # (B*G,)
+    if g.overlong == "penalty":  # an episode's length: all after its prompt, against its limit
+        lengths = torch.tensor([len(s.response_ids) for s in ro.samples], dtype=torch.float64)
+        limit = run.cfg.env.max_tokens if run.cfg.env.name else run.cfg.rollout.max_new_tokens
+        shaped += grpo.overlong_penalty(lengths, limit, g.overlong_buffer,
+                                        g.overlong_penalty_factor)
+    ro.constant = grpo.constant_groups(shaped, G).tolist()  # (B,)
+    ro.keep = [not (c and g.dynamic_sampling) for c in ro.constant]  # constant: no gradient
+    ro.adv = grpo.group_advantages(shaped, G, g.adv_eps, g.scale_adv_by_std).tolist()
+    ro.errors, ro.timeouts = out["errors"], out["timeouts"]
+    return ro
 
 
 def kept_per_engine(kept: int, tp: int) -> list[int]:
@@ -328,13 +324,14 @@ def kept_per_engine(kept: int, tp: int) -> list[int]:
     return [int(c) for c in counts[::tp]]
 
 
-def rollout_metrics(ro: rollout.Rollout, groups_trained: int, tp_rank: int, tp: int) -> dict:
+def rollout_metrics(ro: rollout.Rollout, groups_trained: int, tp_rank: int, tp: int,
+                    env: bool) -> dict:
     """The rollout's part of the step's metrics (tracking.reduce): each generated sample counted
     once over its engine group's ranks (rank tp_rank takes every tp-th), and each count of the
     engine group once."""
     share = [ro.samples[i] for i in range(tp_rank, len(ro.samples), tp)]
     n, first = len(share), int(tp_rank == 0)
-    response = sum(len(s.response_ids) for s in share)
+    response = sum(s.model_tokens for s in share)  # an episode's: the model's turns
     m = {"reward_mean": Mean(sum(ro.scores[tp_rank::tp]), n),
          "response_len_mean": Mean(response, n),
          "truncated_frac": Mean(sum(s.truncated for s in share), n),
@@ -342,29 +339,32 @@ def rollout_metrics(ro: rollout.Rollout, groups_trained: int, tp_rank: int, tp: 
          "groups_constant": Sum(first * sum(ro.constant)),
          "groups_trained": Sum(first * groups_trained),
          "samples_trained": Sum(first * len(ro.trained)),
-         "tokens": Sum(response + sum(len(s.prompt_ids) for s in share))}  # for tokens_per_s
+         "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
     if len(ro.by_name) > 1:  # each reward function's mean, beside their weighted sum
         m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)
                   for name, v in ro.by_name.items()})
+    if env:  # episodes: model turns, the environment's time (this rank's), failures and limits
+        m.update(turns_mean=Mean(sum(ro.turns[tp_rank::tp]), n), env_time_s=ro.env_seconds,
+                 env_errors=Sum(first * ro.env_errors), env_timeouts=Sum(first * ro.env_timeouts),
+                 limited_frac=Mean(sum(ro.limited[tp_rank::tp]), n))
     return m
 
 
 @torch.no_grad()
-def evaluate(engine, actor, examples, scorer, tokenizer, engine_idx, n_engines, k: int = 0):
-    """Greedy pass@1 (the mean reward of one greedy completion per example) and, with k > 0,
-    mean@k (the mean reward of k completions per example at the rollout temperature) over all
-    examples, each engine group taking a slice. Returns ({"eval_pass1": .., "eval_mean_at_k": ..},
-    (examples, greedy completions, their rewards)) of this rank's slice. The engine holds the
-    weights of this step's rollout: the update since then is synced first."""
+def evaluate(engine, actor, examples, scorer, eps, engine_idx, n_engines, k: int = 0):
+    """Greedy pass@1 (the mean reward of one greedy completion, or episode, per example) and,
+    with k > 0, mean@k (the mean reward of k at the rollout temperature) over all examples,
+    each engine group taking a slice; `eps` runs them (episodes.Episodes). Returns
+    ({"eval_pass1": .., "eval_mean_at_k": ..}, (examples, greedy completions, their rewards))
+    of this rank's slice. The engine holds the weights of this step's rollout: the update since
+    then is synced first."""
     weight_sync.push(actor, engine)
     part = examples[engine_idx::n_engines]
-    prompts = [ex["prompt_ids"] for ex in part]
-    greedy = engine.generate(prompts, n=1, greedy=True)
-    sampled = engine.generate(prompts, n=k) if k else []
+    greedy = eps.run(engine, part, 1, greedy=True)
+    if k:
+        greedy.extend(eps.run(engine, part, k))
     engine.sleep()
-    texts = tokenizer.batch_decode([s.response_ids for s in greedy + sampled],
-                                   skip_special_tokens=True)
-    scores = scorer.score(texts, part + [ex for ex in part for _ in range(k)])["reward"]
+    scores = judge(scorer, greedy)["reward"]
     # every rank of a tensor-parallel group holds the same scores: count only its first rank
     first = dist.get_rank() % (dist.get_world_size() // n_engines) == 0
     n = len(part)
@@ -372,7 +372,21 @@ def evaluate(engine, actor, examples, scorer, tokenizer, engine_idx, n_engines, 
                            "eval_mean_at_k": Mean(sum(scores[n:]) * first, n * k * first)})
     if not k:
         del out["eval_mean_at_k"]
-    return out, (part, texts[:n], scores[:n])
+    return out, (part, completions(greedy)[:n], scores[:n])
+
+
+def judge(scorer, ro: rollout.Rollout) -> dict:
+    """The reward functions' scores of a rollout's samples (rewards.Scorer.score), 0 for an
+    episode whose environment failed."""
+    out = scorer.score(ro.texts, ro.examples)
+    zero = lambda values: [0.0 if failed else v for v, failed in zip(values, ro.failed)]  # noqa
+    return {**out, "reward": zero(out["reward"]),
+            "by_name": {name: zero(v) for name, v in out["by_name"].items()}}
+
+
+def completions(ro: rollout.Rollout) -> list:
+    """What samples.jsonl shows of each sample: its text, or an episode's whole conversation."""
+    return [ex.get("conversation", text) for ex, text in zip(ro.examples, ro.texts)]
 
 
 def prepare_run(cfg: Config, rank: int) -> None:

@@ -85,6 +85,10 @@ def test_shipped_config_loads():
     ("--grpo.is_cap=1", 1, "grpo.is_cap=1.0 must be > 1"),
     ("--grpo.max_gen_rounds=3", 1, "max_gen_rounds=3: more than 1 needs grpo.dynamic_sampling"),
     ("--grpo.overlong=penalty", 1, "grpo.overlong=penalty needs 0 < grpo.overlong_buffer"),
+    ("--env.name=nope", 1, "env.name: 'nope' is not a built-in (retry, python)"),
+    ("--env.name=os:getcwd", 1, "env.name: 'os:getcwd' cannot be called with two arguments"),
+    ("--env.name=retry --env.max_tokens=100", 1, "data.max_prompt_len + env.max_tokens must be"),
+    ("--env.name=retry --env.max_turns=0", 1, "env.max_turns=0"),
 ])
 def test_derived_constraints(override, world, message):
     cfg = load_config("configs/tiny_cpu.yaml", override.split())
@@ -120,7 +124,8 @@ def test_yaml_errors_and_close_keys(tmp_path):
 @pytest.mark.parametrize("path, world", [
     ("configs/qwen2.5-7b-gsm8k-npu8.yaml", 8), ("configs/qwen3-8b-gsm8k-npu8.yaml", 8),
     ("configs/qwen2.5-7b-math-npu8.yaml", 8), ("configs/qwen2.5-0.5b-gsm8k-npu1.yaml", 1),
-    ("configs/qwen2.5-0.5b-gsm8k-cuda1.yaml", 1)])
+    ("configs/qwen2.5-0.5b-gsm8k-cuda1.yaml", 1),
+    ("configs/qwen2.5-0.5b-gsm8k-tool-cuda1.yaml", 1)])
 def test_shipped_accelerator_configs_are_consistent(path, world, tmp_path):
     """The shipped configs load and pass the model-free checks at their world size; their data
     section is a preset, their rewards resolve; the NPU ones hold what vLLM-Ascend needs."""
@@ -174,7 +179,7 @@ def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override
         validate(cfg, 2)
 
 
-@pytest.mark.parametrize("case", ["yaml", "jsonl", "column", "out_dir", "reward"])
+@pytest.mark.parametrize("case", ["yaml", "jsonl", "column", "out_dir", "reward", "env", "empty"])
 def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     """As a user runs it (plain python, world size 1): exit code 2, one `error:` line naming the
     field, no Python traceback, before any model loads."""
@@ -190,6 +195,8 @@ def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4,}\n')
     good = tmp_path / "good.jsonl"
     good.write_text('{"question": "1+1=", "answer": "2"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     (tmp_path / "file").write_text("x")
     base = ["--config", "configs/tiny_cpu.yaml", f"--model.path={tiny_task_dir}/model",
             "--data.tiny_task_dir=", f"--log.out_dir={tmp_path / 'run'}", "--log.eval_every=0"]
@@ -200,6 +207,8 @@ def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
         "out_dir": (base + [f"--data.path={good}", f"--log.out_dir={tmp_path / 'file'}"],
                     "is a file"),
         "reward": (base + [f"--data.path={good}", "--reward.funcs=nope:fn"], "reward.funcs"),
+        "env": (base + [f"--data.path={good}", "--env.name=no_such_env_module:fn"], "env.name"),
+        "empty": (base + [f"--data.path={empty}"], "no rows (an empty file or dataset)"),
     }[case]
     out = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -2,6 +2,7 @@
 
 import torch.distributed as dist
 
+import episodes
 import rewards
 import tiny_task
 from rollout import RolloutConfig, Sample
@@ -46,9 +47,10 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
                    ["9", "1", "2"]]  # right: 2, 2, 3, 0, 1 of 3 each: mean@3 = 8/15
         engine = ScriptedEngine(greedy, sampled)
         actor = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
+        one_turn = episodes.Episodes(episodes.EnvConfig(), BytesTokenizer(), False, "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
             scores, (part, texts, per_example) = evaluate(engine, actor, examples, scorer,
-                                                          BytesTokenizer(), 0, 1, k=3)
+                                                          one_turn, 0, 1, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after

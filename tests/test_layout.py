@@ -16,9 +16,10 @@ ALLOWED = {
     "fsdp_utils": {"npu_ops"}, "checkpoint": {"npu_ops"}, "rollout": {"npu_ops"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "grpo": {"fsdp_utils", "tracking"},  # the algorithm: nothing of engines, files or the loop
-    "config": {"npu_ops", "rewards", "grpo"},
+    "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout"},
+    "config": {"npu_ops", "rewards", "grpo", "episodes"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
-                   "weight_sync", "grpo", "config", "data", "tracking"},
+                   "weight_sync", "grpo", "config", "data", "tracking", "episodes"},
 }
 
 
@@ -69,7 +70,7 @@ def test_device_names_only_in_npu_ops():
 def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
-            "import grpo, config, tracking, checkpoint, data, plugins\n"
+            "import grpo, config, tracking, checkpoint, data, plugins, envs, episodes\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

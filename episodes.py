@@ -1,0 +1,199 @@
+"""Multi-turn rollouts: the model acts, an environment answers, the loss sees only the model's
+tokens.
+
+With an environment named in `env.name` (envs.py says what one is), each sample of a rollout is
+an episode. Turn 1 samples `group_size` responses per prompt, as a single-turn rollout does.
+Then, turn after turn, the environment answers every unfinished episode at once (in its worker
+process, each call with a time limit: plugins.Worker), each reply is appended as tokens (through
+the tokenizer's chat template with data.chat_template, in the role the template gives it; else
+as plain text), and the engine generates the next turn of every unfinished episode in one call,
+each with its whole token history as the prompt (its prefix cache keeps their KV). An episode
+ends when the environment says so, or at a limit: env.max_turns model turns, or a reply and a
+next turn that would take its tokens after the prompt past env.max_tokens (it then ends after
+its last whole turn). Each turn stops at rollout.max_new_tokens or at the episode's room.
+
+The sample of an episode is its prompt and all that follows it, the model's turns and the
+replies in order, with `mask` 1 on the model's tokens (rollout.Sample): the loss, the importance
+weights, the KL term, every token mean and the mismatch metric see those only. The rewards score
+the last model turn, and see the whole conversation as example["conversation"]. An environment
+call that fails or is cut ends its episode, which scores 0 and is counted.
+"""
+
+import random
+import time
+from dataclasses import dataclass
+
+import envs
+import plugins
+import rollout
+
+
+@dataclass
+class EnvConfig:
+    name: str = ""  # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn
+    max_turns: int = 2  # model turns per episode
+    max_tokens: int = 256  # tokens after the prompt (model and environment); each turn also
+    #   stops at rollout.max_new_tokens
+    timeout_s: float = 10.0  # time limit of one environment call; 0: in this process
+    reply_role: str = "user"  # the chat role of a reply given as text ("tool" for a tool's)
+
+
+def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
+    """Check the `env:` section before any model loads (the environment resolves here). Raises
+    a one-line ValueError naming the field."""
+    if not cfg.name:
+        return
+    envs.resolve(cfg.name)
+    if cfg.max_turns < 1 or cfg.max_tokens < 1 or cfg.timeout_s < 0:
+        raise ValueError(f"env.max_turns={cfg.max_turns}, env.max_tokens={cfg.max_tokens} must be "
+                         f">= 1 and env.timeout_s={cfg.timeout_s} >= 0")
+    if max_prompt_len + cfg.max_tokens > max_model_len:
+        raise ValueError(f"data.max_prompt_len + env.max_tokens must be <= rollout.max_model_len "
+                         f"({max_prompt_len} + {cfg.max_tokens} > {max_model_len})")
+
+
+class Replies:
+    """How a reply becomes tokens after a model turn. With a chat template: the text the template
+    puts after an assistant turn (what the model's own stop token left of it), then the reply as
+    the template renders a message of its role, then the template's opening of the next
+    assistant turn. Plain text otherwise: the reply's tokens, as they are."""
+
+    MARK = "\x1e"  # stands for an assistant turn's content, to find where the template ends it
+
+    def __init__(self, tokenizer, chat_template: bool, role: str):
+        self.tokenizer, self.chat, self.role = tokenizer, chat_template, role
+        if chat_template:
+            # a system turn first: without one, some templates add a default system prompt
+            self.prefix = [{"role": "system", "content": "S"}]
+            turn = self.render(self.prefix + [{"role": "user", "content": "Q"},
+                                              {"role": "assistant", "content": self.MARK}])
+            self.after_turn = turn[turn.rindex(self.MARK) + len(self.MARK):]  # "<|im_end|>\n"
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def tokens(self, message: dict, last_token: int | None) -> list[int]:
+        """The tokens that follow a model turn which ended with `last_token` (its stop token;
+        None for a turn cut at its length limit): the reply `message` and, with a template, the
+        turn boundaries around it."""
+        message = {"role": message["role"] or self.role, "content": message["content"]}
+        if not self.chat:
+            return self.tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        head = self.render(self.prefix)
+        full = self.render(self.prefix + [message], generation_prompt=True)
+        stop = "" if last_token is None else self.tokenizer.decode([last_token])
+        end = self.after_turn[len(stop):] if stop and self.after_turn.startswith(stop) else (
+            self.after_turn)
+        return self.tokenizer(end + full[len(head):], add_special_tokens=False)["input_ids"]
+
+
+class Episode:
+    """One episode as it grows: its tokens after the prompt, which of them the model wrote, the
+    engine's logprobs of those, and the conversation (chat messages) for the environment and
+    the rewards."""
+
+    def __init__(self, example: dict, prompt_key: str, first: rollout.Sample, tokenizer):
+        prompt = example[prompt_key]
+        self.example, self.prompt_ids, self.tokenizer = example, first.prompt_ids, tokenizer
+        self.messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                         else [dict(m) for m in prompt])
+        self.ids, self.mask, self.logp = [], [], []
+        self.turns, self.over, self.limited, self.failed = 0, False, False, False
+        self.add_turn(first)
+
+    def add_turn(self, s: rollout.Sample) -> None:
+        self.ids += s.response_ids
+        self.mask += [1] * len(s.response_ids)
+        self.logp += list(s.logp)
+        self.turns += 1
+        self.last = s  # its stop token, and whether it was cut
+        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(
+            s.response_ids, skip_special_tokens=True)})
+
+    def add_reply(self, message: dict, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logp += [0.0] * len(ids)
+        self.messages.append(message)
+
+    def sample(self) -> rollout.Sample:
+        """Truncated: its last turn was cut at a length limit (overlong handling sees that)."""
+        return rollout.Sample(self.prompt_ids, self.ids, self.logp, self.last.truncated,
+                              self.mask)
+
+
+class Episodes:
+    """Runs the samples of a rollout: one turn each without an environment (env.name ""), else
+    episodes (the module's docstring says how). close() stops the environment's worker."""
+
+    def __init__(self, cfg: EnvConfig, tokenizer, chat_template: bool, prompt_key: str,
+                 max_new_tokens: int):
+        self.cfg, self.tokenizer, self.prompt_key = cfg, tokenizer, prompt_key
+        self.max_new_tokens = max_new_tokens
+        self.worker = self.replies = None
+        if cfg.name:
+            self.replies = Replies(tokenizer, chat_template, cfg.reply_role)
+            self.worker = plugins.Worker([cfg.name], envs.resolve, envs.as_reply,
+                                         cfg.timeout_s, "environment")
+
+    def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
+            seed: int | None = None) -> rollout.Rollout:
+        """`n` episodes per example of `batch`, prompt-major: a rollout with samples, examples
+        (each with its "conversation"), texts (the last model turn), turns, and the
+        environment's counts. Its scores and advantages are the reward phase's."""
+        first = engine.generate([ex["prompt_ids"] for ex in batch], n=n, greedy=greedy, seed=seed)
+        examples = [ex for ex in batch for _ in range(n)]
+        if self.worker is None:  # one turn: the samples as the engine made them
+            texts = self.tokenizer.batch_decode([s.response_ids for s in first],
+                                                skip_special_tokens=True)
+            return rollout.Rollout(samples=first, examples=examples, texts=texts, rounds=1,
+                                   turns=[1] * len(first), failed=[False] * len(first),
+                                   limited=[s.truncated for s in first])
+        episodes = [Episode(ex, self.prompt_key, s, self.tokenizer)
+                    for ex, s in zip(examples, first)]
+        ro, env_seconds, turn = rollout.Rollout(rounds=1), 0.0, 1
+        while live := [e for e in episodes if not e.over]:
+            # the environment answers every live episode's last turn: one job for its worker
+            t = time.perf_counter()
+            replies = self.worker.run([(0, (e.messages, e.example)) for e in live])
+            env_seconds += time.perf_counter() - t
+            going = []
+            for e, reply in zip(live, replies):
+                e.over = True
+                if reply is plugins.Failed or reply is TimeoutError:  # its episode scores 0
+                    e.failed = True
+                    ro.env_errors += reply is plugins.Failed
+                    ro.env_timeouts += reply is TimeoutError
+                elif reply is not None and e.turns == self.cfg.max_turns:
+                    e.limited = True  # the environment would go on: the turn limit ended it
+                elif reply is not None:
+                    reply = {**reply, "role": reply["role"] or self.cfg.reply_role}
+                    ids = self.replies.tokens(reply, None if e.last.truncated
+                                              else e.last.response_ids[-1])
+                    room = self.cfg.max_tokens - len(e.ids) - len(ids)
+                    e.limited = room < 1  # no room for the reply and a turn: ends here
+                    if not e.limited:
+                        e.add_reply(reply, ids)
+                        e.over = False
+                        going.append((e, min(self.max_new_tokens, room)))
+            if not going:
+                break
+            turn += 1
+            turn_seed = None if seed is None else random.Random(f"{seed}/{turn}").getrandbits(48)
+            outs = engine.generate([e.prompt_ids + e.ids for e, _ in going], n=1, greedy=greedy,
+                                   seed=turn_seed, max_tokens=[room for _, room in going])
+            for (e, _), s in zip(going, outs):
+                e.add_turn(s)
+        ro.samples = [e.sample() for e in episodes]
+        ro.examples = [{**e.example, "conversation": e.messages} for e in episodes]
+        ro.texts = [e.messages[-1]["content"] for e in episodes]  # always a model turn
+        ro.turns = [e.turns for e in episodes]
+        ro.failed = [e.failed for e in episodes]
+        ro.limited = [e.limited for e in episodes]
+        ro.env_seconds = env_seconds
+        return ro
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
