@@ -13,7 +13,8 @@ from conftest import ROOT
 ALLOWED = {
     "npu_ops": set(), "rewards": set(), "tiny_task": set(), "data": set(), "tracking": set(),
     "fsdp_utils": {"npu_ops"}, "rollout": {"npu_ops"}, "weight_sync": {"npu_ops"},
-    "grpo": {"fsdp_utils"},  # the algorithm: nothing of engines, files or the loop
+    "logprobs": {"fsdp_utils", "npu_ops"},  # the model's logprobs: packing, the output layer
+    "grpo": {"fsdp_utils", "logprobs"},  # the algorithm: nothing of engines, files or the loop
     "config": {"npu_ops", "rewards", "grpo"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "rollout", "weight_sync",
                    "grpo", "config", "data", "tracking"},
@@ -67,7 +68,7 @@ def test_device_names_only_in_npu_ops():
 def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
-            "import grpo, config, tracking\n"
+            "import grpo, config, tracking, logprobs\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
