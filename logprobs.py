@@ -206,8 +206,8 @@ def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int) -> torc
     """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets."""
     out = torch.empty(h.shape[0], dtype=_wide(h.dtype), device=h.device)
     for s in range(0, h.shape[0], chunk):
-        z = _logits(h[s:s + chunk], weight, bias, temperature)  # (c, V)
-        out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None])[:, 0] - z.logsumexp(-1)
+        logp = _logits(h[s:s + chunk], weight, bias, temperature).log_softmax(-1)  # (c, V)
+        out[s:s + chunk] = logp.gather(1, targets[s:s + chunk, None])[:, 0]
     return out
 
 
@@ -215,12 +215,12 @@ def _chunk_grad(h, weight, bias, targets, temperature: float, loss_fn, rows: sli
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
     softmax(logits / T) over the chunk, the chunk's loss and clip count from
     loss_fn(logp, rows), and dL/dlogits (c, V) in the compute dtype."""
-    z = _logits(h, weight, bias, temperature)  # (c, V) fp32
-    lse = z.logsumexp(-1)  # (c,)
-    logp = z.gather(1, targets[:, None])[:, 0] - lse
-    p = (z - lse[:, None]).exp_()  # (c, V) the sampling distribution
-    entropy = (lse - (p * z).sum(-1)).sum()  # H = logsumexp(z) - E_p[z], z = logits / T
-    del z
+    z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
+    logp_all = z.log_softmax(-1)  # (c, V)
+    logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
+    p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
+    entropy = -logp_all.mul_(p).sum()  # -sum p log p, in logp_all's memory
+    del logp_all
     with torch.enable_grad():  # the loss's own code, on a (c,) leaf: g = dL/dlogp
         leaf = logp.detach().requires_grad_()
         loss, clipped = loss_fn(leaf, rows)
