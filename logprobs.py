@@ -20,9 +20,9 @@ forward, where FSDP2's hooks see it (the output weight is gathered for the forwa
 gradient reduce-scattered after the backward; a tied embedding gets both of its gradients).
 
 No host synchronisation between the start of the forward and the end of the backward: every
-boundary of a packed row (cu_seq_lens, the longest sample) comes from the host; logprobs leave
-the device once per micro-batch (non-blocking; the caller synchronises once); metrics stay
-tensors. A compiled version of `_chunk_grad` (torch.compile on one platform, a fused vendor op on
+boundary of a packed row (cu_seq_lens, the longest sample) comes from the host, the inputs go
+over without blocking (pinned), logprobs stay on the device until `per_sample` reads all of a
+mini-batch's back at once, and metrics stay tensors for the caller to read. A compiled version of `_chunk_grad` (torch.compile on one platform, a fused vendor op on
 another) would go behind a plain function in npu_ops; none is written: plain torch runs
 everywhere, and nothing here has been measured on an accelerator yet.
 """
@@ -173,15 +173,6 @@ def to_device(x, device):
         return MicroBatch(**{k: to_device(v, device) if k != "lengths" else v
                              for k, v in vars(x).items()})
     return x
-
-
-def to_host(x: torch.Tensor) -> torch.Tensor:
-    """A host copy that does not wait for the device: read it only after npu_ops.synchronize()
-    (nothing to wait for on the host itself)."""
-    if x.device.type == "cpu":
-        return x
-    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return out.copy_(x, non_blocking=True)
 
 
 # ----------------------------------------------------------------------------------------------
