@@ -51,28 +51,40 @@ class OptimConfig:
 
 
 # Packed micro-batches (grpo.pack): several samples in one row, position ids restarting at 0 for
-# each, no padding; attention must stay within a sample. flash_attention_2 (transformers'
-# integrations for both accelerators; npu_ops.attention_implementation picks it) reads the
-# boundaries from the position ids and runs varlen kernels (not run here). Elsewhere the actor
-# uses "packed_sdpa": transformers' sdpa for padded batches, and for a packed row, each sample's
-# queries, keys and values scattered into a padded (samples, heads, longest, dim) block and run
-# causally: attention costs what padding costs, everything else (projections, MLP, output layer)
-# runs on real tokens only. transformers' own packed sdpa path would build a dense
-# (tokens x tokens) mask instead.
+# each, no padding; attention must stay within a sample. The trainer passes the row's boundaries
+# from the host (logprobs.micro_batch: cu_seq_lens_q/k, max_length_q/k, as transformers' flash
+# attention takes them), so no layer reads them back from the device. flash_attention_2
+# (transformers' integrations for both accelerators; npu_ops.attention_implementation picks it)
+# runs its varlen kernels on them (not run here). Elsewhere the actor uses "packed_sdpa":
+# transformers' sdpa for padded batches, and for a packed row, each sample's queries, keys and
+# values scattered into a padded (samples, heads, longest, dim) block and run causally: attention
+# costs what padding costs, everything else (projections, MLP, output layer) runs on real tokens
+# only. transformers' own packed sdpa path would build a dense (tokens x tokens) mask instead.
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                position_ids=None, **kwargs):
-    """A transformers attention function; query (1, heads, N, dim) for a packed row."""
+                position_ids=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """A transformers attention function; query (1, heads, N, dim) for a packed row. Its
+    boundaries: cu_seq_lens_q (samples + 1,) and max_length_q (an int) when given, else read from
+    the position ids (two reads back to the host per layer)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is not None and attention_mask.dim() == 2:  # (B, T): 1 = token, 0 = pad
+        T = attention_mask.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+        attention_mask = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
     if attention_mask is not None or position_ids is None or query.shape[0] != 1:
+        # padded batches come right-padded and unmasked: causally, no token sees the padding
+        # after it, and padded positions carry no loss
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     window = kwargs.get("sliding_window")
     pos = position_ids[0]  # (N,): 0, 1, ... for each sample in turn
     seq = (pos == 0).cumsum(0) - 1  # (N,) each token's sample
-    n, longest = int(seq[-1]) + 1, int(pos.max()) + 1
+    if cu_seq_lens_q is not None and max_length_q is not None:
+        n, longest = cu_seq_lens_q.shape[0] - 1, int(max_length_q)
+    else:
+        n, longest = int(seq[-1]) + 1, int(pos.max()) + 1
     if window is not None and window < longest:
         raise ValueError(f"packed_sdpa: sliding window {window} < sample length {longest}")
 
@@ -88,17 +100,14 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 
 def register_packed_sdpa() -> str:
-    """Make "packed_sdpa" an attn_implementation of transformers; its mask is sdpa's for padded
-    batches and none for packed rows (the boundaries come from the position ids)."""
+    """Make "packed_sdpa" an attn_implementation of transformers. It has no mask function of its
+    own, so transformers builds no mask for it and hands it the attention_mask as given (None, or
+    a (B, T) padding mask that packed_sdpa makes causal itself): with a mask function,
+    transformers 5.19's create_causal_mask reads the position ids back to the host once per
+    forward (masking_utils.find_packed_sequence_indices)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def mask(*args, attention_mask=None, **kwargs):
-        return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask,
-                                                             **kwargs)
 
     AttentionInterface.register("packed_sdpa", packed_sdpa)
-    AttentionMaskInterface.register("packed_sdpa", mask)
     return "packed_sdpa"
 
 

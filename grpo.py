@@ -21,16 +21,15 @@ reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (D
 masking or a soft penalty for responses cut at the length limit (DAPO).
 """
 
-import contextlib
 import math
 import time
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import fsdp_utils
+import logprobs
 import tracking
 
 
@@ -92,7 +91,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """(N, T, V) logits, (N, T) targets -> (N, T) log p(target), in fp32."""
+    """(N, T, V) logits, (N, T) targets -> (N, T) log p(target), in fp32: what logprobs.py
+    computes without ever holding (N, T, V) logits (tests compare the two)."""
     logits = logits.float() / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
@@ -127,14 +127,11 @@ def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float):
     return inside.to(log_ratio.dtype).unsqueeze(1).expand_as(log_ratio)
 
 
-def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs: float,
-              max_len: int, is_weight=None, ref_logp=None):
-    """The loss of one micro-batch, normalised over the whole global mini-batch (n_tokens response
-    tokens in n_seqs sequences), so micro-batches and ranks add up to the batch's loss.
-    logp, old_logp, mask, is_weight, ref_logp: (N, T); adv: (N,).
-    Returns the loss and (N, T) bool of the tokens where the clip was active."""
+def token_terms(logp, old_logp, adv, g: GRPOConfig, is_weight=None, ref_logp=None):
+    """Each token's term of the loss, before aggregation (elementwise; adv broadcasts):
+    PPO's clipped surrogate, times the importance weight, plus the KL term. Returns the terms and
+    where the clip was active."""
     ratio = torch.exp(logp - old_logp)
-    adv = adv.unsqueeze(1)  # (N, 1)
     clipped_ratio = ratio.clamp(1 - g.clip_low, 1 + g.clip_high)  # DAPO "clip-higher" if high > low
     unclipped_term, clipped_term = ratio * adv, clipped_ratio * adv
     per_token = -torch.minimum(unclipped_term, clipped_term)  # PPO's clipped surrogate
@@ -143,20 +140,36 @@ def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs:
         per_token = per_token * is_weight
     if ref_logp is not None and g.kl_coef > 0:  # KL in the loss, not the reward (DeepSeekMath)
         per_token = per_token + g.kl_coef * kl_penalty(logp, ref_logp, g.kl_estimator)
-    per_token = per_token * mask
+    return per_token, clipped
+
+
+def loss_weights(mask, g: GRPOConfig, n_tokens: float, n_seqs: float, max_len: int):
+    """(N, T) mask of response tokens -> (N, T) each token's weight in the batch loss (0 off the
+    mask): the aggregation over a global mini-batch of n_tokens tokens in n_seqs sequences."""
     if g.loss_agg == "token_mean":  # every token of the batch weighs the same (DAPO)
-        loss = per_token.sum() / n_tokens
-    elif g.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
-        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    else:  # constant: sum over tokens / (sequences x max_new_tokens): no length bias (Dr. GRPO)
-        loss = per_token.sum() / (n_seqs * max_len)
+        return mask / n_tokens
+    if g.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * n_seqs)
+    # constant: sum over tokens / (sequences x max_new_tokens): no length bias (Dr. GRPO)
+    return mask / (n_seqs * max_len)
+
+
+def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs: float,
+              max_len: int, is_weight=None, ref_logp=None):
+    """The loss of one micro-batch, normalised over the whole global mini-batch (n_tokens response
+    tokens in n_seqs sequences), so micro-batches and ranks add up to the batch's loss: the sum
+    of each token's term times its weight. logp, old_logp, mask, is_weight, ref_logp: (N, T);
+    adv: (N,). Returns the loss and (N, T) bool of the tokens where the clip was active."""
+    per_token, clipped = token_terms(logp, old_logp, adv.unsqueeze(1), g, is_weight, ref_logp)
+    loss = (per_token * loss_weights(mask, g, n_tokens, n_seqs, max_len)).sum()
     return loss, clipped & mask.bool()
 
 
 @torch.no_grad()
 def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 256) -> float:
-    """Sum of the policy's entropy over masked positions of (N, T, V) logits, chunk rows at a
-    time: a (chunk x V) fp32 tensor at most, never (tokens x V)."""
+    """Sum of the entropy of softmax(logits) over masked positions of (N, T, V) logits, chunk rows
+    at a time: the plain statement of the entropy metric that logprobs.py computes in its pass
+    over the logits (tests compare the two)."""
     rows = logits[mask.bool()]  # (n_tokens, V), in the logits' dtype
     total = 0.0
     for part in rows.split(chunk):
@@ -184,52 +197,6 @@ def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
                                                   seq.numel())}
 
 
-def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
-    """Right-pad prompt+response sequences. Returns input_ids (N, T), attention (N, T), targets
-    (N, T-1), loss mask (N, T-1) over response tokens, and a dict of (N, T-1) tensors placed at
-    the response positions: "engine" (the engine's logp) and every entry of `per_token`, a list
-    with one sequence of per-response-token values for each sample."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    T = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1)
-    values = {"engine": [s.logp for s in samples], **(per_token or {})}
-    padded = {k: torch.zeros(len(seqs), T - 1) for k in values}
-    for i, (s, x) in enumerate(zip(samples, seqs)):
-        ids[i, :len(x)] = torch.tensor(x)
-        attn[i, :len(x)] = 1
-        p, n = len(s.prompt_ids), len(s.response_ids)
-        mask[i, p - 1:p - 1 + n] = 1  # position t predicts token t+1
-        for k, v in values.items():
-            padded[k][i, p - 1:p - 1 + n] = torch.as_tensor(v[i], dtype=torch.float32)
-    return ids, attn, ids[:, 1:], mask, padded
-
-
-def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
-    """Group indices, longest first, so that each group fits `budget` tokens: packed, its total
-    length (first fit); padded, its (count x max length)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if packed:
-        batches, room = [], []
-        for i in order:
-            fits = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
-            if fits is None:
-                batches.append([])
-                room.append(budget)
-                fits = len(room) - 1
-            batches[fits].append(i)
-            room[fits] -= lengths[i]
-        return batches
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    return batches + [cur] if cur else batches
-
-
 def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[int]:
     """This engine group's groups for the update: the kept ones (keep[b]), at most `target` over
     all engine groups, taken in engine-group order (kept[e]: engine group e's count)."""
@@ -238,108 +205,49 @@ def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[in
 
 
 # ----------------------------------------------------------------------------------------------
-# the update: forward/backward over the rollout. Every function here runs FSDP collectives, so
-# every rank calls it, with its own share of the samples (possibly none).
-
-# a zero-loss stand-in sample (any object with these fields is a sample here)
-DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False)
+# the update: forward/backward over the rollout (logprobs.py runs the model). Every function here
+# runs FSDP collectives, so every rank calls it, with its own share of the samples (possibly none).
 
 
-def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]]:
-    """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
-    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward."""
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
-                              packed)
-    n = torch.tensor(len(plan))
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return plan + [[]] * (int(n) - len(plan))
+def token_inputs(batch: list, mb, adv, old_logp, ref_logp, g: GRPOConfig, n_tokens: float,
+                 n_seqs: float, max_len: int) -> dict:
+    """What the loss needs of each of a micro-batch's K response tokens, (K,) host tensors in
+    mb's order: the engine's logp, the advantage, the aggregation weight ("coef"), and when
+    given, the old and reference logp (per-sample lists) and the importance weights from them."""
+    cat = lambda lists: torch.cat([torch.as_tensor(x, dtype=torch.float32)  # noqa: E731
+                                   for x in lists])
+    t = {"engine": cat([s.logp for s in batch]),
+         "adv": torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)),
+         "coef": mb.flat(loss_weights(mb.mask, g, n_tokens, n_seqs, max_len))}
+    if old_logp is not None:
+        t["old"] = cat(old_logp)
+        t["is_weight"] = mb.flat(mismatch_weights(mb.padded(t["old"]), mb.padded(t["engine"]),
+                                                  mb.mask, g.is_correction, g.is_cap))
+    if ref_logp is not None:
+        t["ref"] = cat(ref_logp)
+    return t
 
 
-def _chunk_logp(hidden, weight, bias, targets, once: list, temperature: float):
-    """(c, H) final hidden states -> (c,) logp of `targets` under softmax(logits / temperature),
-    and the entropy sum of the raw logits (a float, not differentiated) over the (c,) bool rows
-    that `once` holds, if it holds any: taken out here, so that backward's recompute of this
-    chunk, which calls again with the same list, skips the entropy."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # (c, V) in the compute dtype
-    rows = once.pop() if once else None
-    entropy = masked_entropy_sum(logits[None].detach(), rows[None]) if rows is not None else 0.0
-    return token_logprobs(logits[None], targets[None], temperature)[0], entropy
+def token_loss(t: dict, mb, g: GRPOConfig):
+    """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k) for the tokens k (a
+    slice of K) given their (c,) logp: grpo_loss's terms times their weights, summed; and
+    first(logp), when the importance weights need whole sequences of this forward's logp
+    (on-policy seq_mask). On-policy, old_logp is the logp itself, detached (ratio 1)."""
+    def loss_fn(logp, k):
+        old = t["old"][k] if "old" in t else logp.detach()
+        w = t["is_weight"][k] if "is_weight" in t else mismatch_weights(
+            old[None], t["engine"][k][None], torch.ones_like(old)[None], g.is_correction,
+            g.is_cap)[0]
+        per_token, clipped = token_terms(logp, old, t["adv"][k], g, w,
+                                         t["ref"][k] if "ref" in t else None)
+        return (per_token * t["coef"][k]).sum(), clipped.sum()
 
+    def first(logp):  # (K,)
+        t["is_weight"] = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t["engine"]),
+                                                  mb.mask, g.is_correction, g.is_cap))
 
-@contextlib.contextmanager
-def logprob_head(model, targets, rows, temperature: float, chunk: int):
-    """While active, the model's output layer returns, in place of its (B, T, vocab) logits, a
-    (B, T, 1) tensor: the logprob of `targets` (B, T) under softmax(logits / temperature), `chunk`
-    rows at a time, each chunk's logits recomputed in backward (activation checkpointing): at most
-    (chunk x vocab) fp32 logits exist at once. The entropy sum over `rows` (B, T; None: no
-    entropy) lands in the yielded dict. The result leaves through the model's output, where
-    FSDP's backward hooks see
-    it: the output layer's weights are gathered for the forward and again for the backward."""
-    from torch.utils.checkpoint import checkpoint
-
-    head, found = model.get_output_embeddings(), {"entropy": 0.0}
-
-    def forward(self, hidden):  # (B, T, H)
-        flat, tg = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        rw = None if rows is None else rows.reshape(-1)
-        parts = []
-        for s in range(0, flat.shape[0], chunk):
-            once = [] if rw is None else [rw[s:s + chunk]]
-            logp, entropy = checkpoint(_chunk_logp, flat[s:s + chunk], self.weight, self.bias,
-                                       tg[s:s + chunk], once, temperature, use_reentrant=False)
-            parts.append(logp)
-            found["entropy"] += entropy
-        # a copy, not a view of the concatenation: FSDP2 warns when the model's output is a view
-        # (an in-place op on it would skip its backward hooks); (tokens,) floats, a cheap copy
-        return torch.cat(parts).view(*hidden.shape[:-1], 1).clone()
-
-    head.forward = types.MethodType(forward, head)
-    try:
-        yield found
-    finally:
-        del head.forward
-
-
-def forward_logp(model, samples: list, pad_id: int, device, temperature: float, per_token=None,
-                 packed: bool = True, chunk: int = 1024, entropy: bool = True):
-    """Returns logp (n, T-1) of the targets, the entropy sum over the loss mask (0.0 without
-    `entropy`), the mask and the padded per-token dict, all in pad_batch's (n, T-1) layout.
-    packed: the samples run end to end in one row, position ids restarting at each (no
-    padding); else as a padded batch."""
-    ids, attn, targets, mask, padded = pad_batch(samples, pad_id, per_token)
-    n, T = ids.shape
-    targets = torch.nn.functional.pad(targets, (0, 1), value=pad_id)  # (n, T): t predicts t+1
-    rows = torch.nn.functional.pad(mask, (0, 1)).bool()  # (n, T): where entropy is taken
-    if packed:
-        real = attn.bool()  # (n, T): the tokens, row-major: sample after sample
-        positions = torch.arange(T).expand(n, T)[real][None]  # restarting at 0 for each sample
-        inputs = {"input_ids": ids[real][None], "position_ids": positions}
-        targets, rows = targets[real][None], rows[real][None]  # (1, N)
-    else:
-        inputs = {"input_ids": ids, "attention_mask": attn}
-    rows = rows.to(device) if entropy else None
-    with logprob_head(model, targets.to(device), rows, temperature, chunk) as found:
-        logp = model(**{k: v.to(device) for k, v in inputs.items()}).logits[..., 0]
-    if packed:  # back to one padded row per sample
-        logp = logp.new_zeros(n, T).masked_scatter(real.to(device), logp[0])
-    padded = {k: v.to(device) for k, v in padded.items()}
-    return logp[:, :-1], found["entropy"], mask.to(device), padded
-
-
-@torch.no_grad()
-def sample_logprobs(model, samples: list, g: GRPOConfig, pad_id: int, device,
-                    temperature: float) -> list:
-    """Each sample's response-token logprobs under `model` (old or reference policy): a list of
-    (n_i,) fp32 CPU tensors."""
-    out = [None] * len(samples)
-    model.eval()
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
-        logp, _, mask, _ = forward_logp(model, [samples[i] for i in idx] or [DUMMY], pad_id,
-                                        device, temperature, None, g.pack, g.logprob_chunk,
-                                        entropy=False)
-        for row, i in enumerate(idx):
-            out[i] = logp[row][mask[row].bool()].float().cpu()
-    return out
+    needs_first = "old" not in t and g.is_correction == "seq_mask"
+    return loss_fn, first if needs_first else None
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
@@ -347,33 +255,34 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                          max_len: int) -> tuple[list, dict]:
     """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
     actor. old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
-    Returns this forward's logp per sample ((n_i,) CPU tensors) and sums for the metrics.
+    Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
+    metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
     temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
     counts = torch.tensor([float(sum(len(s.response_ids) for s in samples)), float(len(samples))])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
     n_tokens, n_seqs = counts.tolist()
-    logps, stats = [torch.zeros(0)] * len(samples), {"clipped": 0.0, "entropy": 0.0}
+    stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
     if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
-        return logps, stats
+        return [torch.zeros(0)] * len(samples), stats
     actor.train()
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
-        extra = {name: [lp[i] for i in idx] or [[0.0]]
-                 for name, lp in (("old", old_logp), ("ref", ref_logp)) if lp is not None}
-        logp, entropy, mask, pt = forward_logp(actor, [samples[i] for i in idx] or [DUMMY], pad_id,
-                                               device, temperature, extra, g.pack, g.logprob_chunk)
-        old = pt["old"] if old_logp is not None else logp.detach()
-        is_weight = mismatch_weights(old, pt["engine"], mask, g.is_correction, g.is_cap)
-        a = adv[idx] if idx else torch.zeros(1)
-        loss, clipped = grpo_loss(logp, old, a.to(device), mask, g, n_tokens, n_seqs, max_len,
-                                  is_weight, pt.get("ref"))
+    plan, found = logprobs.micro_batch_plan(samples, g.micro_batch_tokens, g.pack), []
+    for k, idx in enumerate(plan):
+        batch = [samples[i] for i in idx] or [logprobs.DUMMY]
+        old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None
+                    for lp in (old_logp, ref_logp))
+        mb = logprobs.micro_batch(batch, pad_id, g.pack, actor.config)
+        t = token_inputs(batch, mb, adv[idx] if idx else torch.zeros(1), old, ref, g, n_tokens,
+                         n_seqs, max_len)
+        mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
+        out = logprobs.run(actor, mb, temperature, g.logprob_chunk, *token_loss(t, mb, g))
+        logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
         # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-        (loss * (dist.get_world_size() if idx else 0.0)).backward()
+        (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
         if idx:
-            stats["clipped"] += clipped.sum().item()
-            stats["entropy"] += entropy
-            for row, i in enumerate(idx):
-                logps[i] = logp[row][mask[row].bool()].detach().float().cpu()
-    return logps, stats
+            for name in stats:
+                stats[name] = stats[name] + out[name].detach()  # in the wider dtype
+            found.append((idx, out["logp"], mb.lengths))
+    return logprobs.per_sample(found, len(samples)), stats
 
 
 def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
@@ -396,14 +305,15 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
     old_logp = (None if on_policy
-                else sample_logprobs(actor, samples, g, pad_id, device, temperature))
+                else logprobs.sample_logprobs(actor, samples, g, pad_id, device, temperature))
     ref_logp = None
     if ref is not None:  # the frozen reference lives off the accelerator between its passes
         fsdp_utils.onload(ref)
-        ref_logp = sample_logprobs(ref, samples, g, pad_id, device, temperature)
+        ref_logp = logprobs.sample_logprobs(ref, samples, g, pad_id, device, temperature)
         fsdp_utils.offload(ref)
     logprobs_time = time.perf_counter() - t
-    clipped, entropy, loss_tokens, norms = 0.0, 0.0, 0, []
+    loss_tokens, norms = 0, []
+    clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
     shuffle = torch.Generator().manual_seed(seed)
     for epoch in range(g.ppo_epochs):
         for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
@@ -423,6 +333,7 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
             opt.step()
             opt.zero_grad(set_to_none=True)
     tokens = sum(len(s.response_ids) for s in samples)
+    clipped, entropy = torch.stack([clipped, entropy]).tolist()  # the update's one metrics read
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),
            **mismatch_stats(old_logp, [s.logp for s in samples], g.is_cap)}

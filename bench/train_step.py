@@ -18,6 +18,16 @@ rank r taking samples r, r + world, ... as the trainer splits a batch:
 - chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the steps
   above what the process held before them, rank 0 (accelerator: max_memory_allocated; CPU: the
   resident-memory high-water mark, reset before the steps).
+Beside the packed update, in the same process and on the same micro-batches (rank 0's), its
+floors, each the median of `--repeats`:
+- gemm: the matrix multiplies of the same shapes timed alone on random tensors of the compute
+  dtype: for every linear layer (q, k, v, o, gate, up, down of each decoder layer) over the
+  micro-batch's tokens and the output layer over its response tokens (the rows the loss needs),
+  three GEMMs each (forward; backward: input and weight gradients). Attention's own products,
+  the norms and the elementwise work are left out;
+- bare: a plain Hugging Face forward/backward of the same model (fp32 weights, autocast to the
+  compute dtype, no FSDP), the same packed rows (position ids; transformers' attention for the
+  platform), unchunked logits in fp32 and a logprob loss; no optimizer step in either.
 """
 
 import argparse
@@ -63,6 +73,7 @@ def run_one(args, variant: str) -> dict:
 
     import fsdp_utils
     import grpo
+    import logprobs
     from rollout import Sample
     from train_grpo import init_distributed
 
@@ -103,10 +114,89 @@ def run_one(args, variant: str) -> dict:
         times.append(time.perf_counter() - t)
     peak = peak_gb() - before
     n_params = sum(p.numel() for p in model.parameters())
+    out = {"variant": variant, "tokens": tokens, "params_m": round(n_params / 1e6, 1),
+           "tokens_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
+           "peak_gb_above_start": peak}
+    if variant == "packed":
+        plan = [[samples[i] for i in idx] for idx in
+                logprobs.micro_batch_plan(samples, gcfg.micro_batch_tokens, True)]
+        out["gemm_s"] = gemm_floor(model.config, plan, getattr(torch, args.dtype), device,
+                                   args.repeats)
+        out["bare_s"] = bare_floor(path, plan, getattr(torch, args.dtype), device, args.repeats)
     dist.destroy_process_group()
-    return {"variant": variant, "tokens": tokens, "params_m": round(n_params / 1e6, 1),
-            "tokens_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
-            "peak_gb_above_start": peak}
+    return out
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up, the device's queue drained around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        npu_ops.synchronize()
+        t = time.perf_counter()
+        fn()
+        npu_ops.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gemm_floor(cfg, plan: list, dtype, device, repeats: int) -> float:
+    """Seconds of the forward and backward GEMMs of every linear layer and the output layer over
+    the micro-batches of `plan` (lists of samples), timed alone: each distinct shape once, times
+    the number of its uses."""
+    import collections
+
+    import torch
+
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = [(H, q), (H, kv), (H, kv), (q, H), (H, I), (H, I), (I, H)]  # (in, out) per linear
+    uses = collections.Counter()
+    for batch in plan:
+        n = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+        k = sum(len(s.response_ids) for s in batch)
+        for rows, (d_in, d_out), count in [(n, x, cfg.num_hidden_layers) for x in layer] + [
+                (k, (H, V), 1)]:
+            # forward (rows, in) @ (in, out); input gradient (rows, out) @ (out, in); weight
+            # gradient (out, rows) @ (rows, in)
+            for shape in ((rows, d_in, d_out), (rows, d_out, d_in), (d_out, rows, d_in)):
+                uses[shape] += count
+    total = 0.0
+    for (m, k, n), count in uses.items():
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        total += count * timed(lambda: a @ b, repeats)
+    return total
+
+
+def bare_floor(path: str, plan: list, dtype, device, repeats: int) -> float:
+    """Seconds of a plain Hugging Face forward/backward over the micro-batches of `plan`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        attn_implementation=npu_ops.attention_implementation("auto")).to(device)
+    batches = []
+    for batch in plan:
+        ids = [t for s in batch for t in s.prompt_ids + s.response_ids]
+        pos = [t for s in batch for t in range(len(s.prompt_ids) + len(s.response_ids))]
+        mask = [float(len(s.prompt_ids) <= j < len(s.prompt_ids) + len(s.response_ids))
+                for s in batch  # position j - 1 predicts a response token
+                for j in range(1, len(s.prompt_ids) + len(s.response_ids) + 1)]
+        batches.append([torch.tensor(x, device=device)[None] for x in (ids, pos, mask)])
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        for ids, pos, mask in batches:
+            with torch.autocast(npu_ops.device_type(), dtype=dtype,
+                                enabled=dtype != torch.float32):
+                logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+            (-(logp * mask[:, :-1]).sum() / mask.sum()).backward()
+
+    return timed(step, repeats)
 
 
 def main() -> None:
@@ -136,6 +226,7 @@ def main() -> None:
                                  "OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.world)))})
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     pk, pd, un = results["packed"], results["padded"], results["unchunked"]
+    update, gemm, bare = pk["step_s"], pk["gemm_s"], pk["bare_s"]
     print(json.dumps({
         "device": npu_ops.device_type(), "world": args.world, "params_m": pk["params_m"],
         "dtype": args.dtype, "samples": args.samples,
@@ -144,7 +235,11 @@ def main() -> None:
         "padded_tokens_per_s": round(pd["tokens_per_s"]),
         "packed_speedup": round(pk["tokens_per_s"] / pd["tokens_per_s"], 2),
         "peak_gb_chunked": round(pk["peak_gb_above_start"], 3),
-        "peak_gb_unchunked": round(un["peak_gb_above_start"], 3)}))
+        "peak_gb_unchunked": round(un["peak_gb_above_start"], 3),
+        "update_s": round(update, 4), "gemm_floor_s": round(gemm, 4),
+        "bare_fwd_bwd_s": round(bare, 4),
+        "update_over_gemm": round(update / gemm, 2), "update_over_bare": round(update / bare, 2),
+        "bare_over_gemm": round(bare / gemm, 2)}))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import torch
 import tracking
 from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, grpo_loss,
                   kl_penalty, masked_entropy_sum, mismatch_stats, mismatch_weights,
-                  overlong_penalty, pad_batch, plan_micro_batches, split_mini_batches,
-                  take_groups, token_logprobs)
+                  overlong_penalty, split_mini_batches, take_groups, token_logprobs)
+from logprobs import pad_batch, plan_micro_batches
 from rollout import Sample
 
 

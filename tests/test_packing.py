@@ -3,10 +3,13 @@
 Samples of very different lengths (2 to 60 tokens) on tiny Qwen2 and Qwen3 models in fp32:
 - the update's loss and every gradient, packed (one row, position ids restarting, attention kept
   within each sample by fsdp_utils.packed_sdpa) against padded batches: 1e-5 relative;
-- logprobs and their gradients computed 5 rows of the output layer at a time against all rows at
-  once, and against transformers' own logits (an independent path);
+- logprobs, entropy and their gradients computed 5 rows of the output layer at a time against
+  all rows at once, and against transformers' own logits (an independent path); each chunk's
+  logits computed once, in the forward;
 - the packed planner respects the token budget.
 """
+
+import copy
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 import grpo
+import logprobs
 import tiny_task
 from rollout import Sample
 
@@ -80,52 +84,62 @@ def test_packed_equals_padded(arch, world_of_one):
         assert rel(g_small[name], grad) < 1e-5, name
 
 
+def hf_twin(model):
+    """The same weights under transformers' own sdpa attention (an independent path)."""
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
+                                            attn_implementation="sdpa")
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     model, samples = model_for("qwen3"), varied_samples(1)
     weights = torch.randn(len(samples), 60)  # an arbitrary loss, to compare gradients
-    entropy_calls = []
-    real_entropy = grpo.masked_entropy_sum
-    monkeypatch.setattr(grpo, "masked_entropy_sum",
-                        lambda *a, **k: entropy_calls.append(1) or real_entropy(*a, **k))
+    passes = []  # chunks whose logits were computed, and in which phase
+    real_logits = logprobs._logits
+    monkeypatch.setattr(logprobs, "_logits",
+                        lambda *a: passes.append(phase[0]) or real_logits(*a))
+    mb = logprobs.micro_batch(samples, 0, packed, model.config)
+    ids, attn, targets, mask, _ = logprobs.pad_batch(samples, 0)
+    w = weights[:, :mask.shape[1]][mask.bool()]  # (K,) the response tokens, sample after sample
+    K = sum(len(s.response_ids) for s in samples)  # rows through the output layer
 
     def run(chunk):
         model.zero_grad()
-        entropy_calls.clear()
-        logp, entropy, mask, _ = grpo.forward_logp(model, samples, 0, "cpu", 0.7, None, packed,
-                                                   chunk)
-        (logp * mask * weights[:, :logp.shape[1]]).sum().backward()
-        # rows through the output layer: every token packed, every padded position otherwise
-        rows = (sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) if packed
-                else logp.shape[0] * (logp.shape[1] + 1))
-        # the entropy: once per chunk of the forward, not again when backward recomputes it
-        assert len(entropy_calls) == -(-rows // chunk), (len(entropy_calls), rows, chunk)
-        return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+        passes.clear()
+        phase[0] = "forward"
+        out = logprobs.run(model, mb, 0.7, chunk, lambda lp, k: ((lp * w[k]).sum(), lp.sum()))
+        phase[0] = "backward"
+        out["loss"].backward()
+        # the logits: once per chunk of the forward, never again in backward
+        assert passes == ["forward"] * -(-K // chunk), (passes, K, chunk)
+        return (mb.padded(out["logp"]), out["entropy"].item(),
+                {n: p.grad.clone() for n, p in model.named_parameters()})
 
+    phase = [""]
     chunked, ent_chunked, g_chunked = run(5)
     whole, ent_whole, g_whole = run(10**9)
-    entropy_calls.clear()  # the old and reference passes need no entropy
-    grpo.forward_logp(model, samples, 0, "cpu", 0.7, None, packed, 5, entropy=False)
-    assert entropy_calls == []
+    with torch.no_grad():  # the old and reference passes: logprobs only
+        assert rel(logprobs.run(model, mb, 0.7, 5)["logp"], mb.flat(chunked)) == 0
     # transformers' logits (padded batch, sdpa), then the logprob of each target
-    model.zero_grad()
-    ids, attn, targets, mask, _ = grpo.pad_batch(samples, 0)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    twin = hf_twin(model)
+    logits = twin(input_ids=ids, attention_mask=attn).logits[:, :-1]
     ref = grpo.token_logprobs(logits, targets, 0.7)
     (ref * mask * weights[:, :ref.shape[1]]).sum().backward()
-    ent_ref = grpo.masked_entropy_sum(logits.detach(), mask)
+    ent_ref = grpo.masked_entropy_sum(logits.detach() / 0.7, mask)  # the sampling distribution
     m = mask.bool()
     for got in (chunked, whole):
-        assert rel(got[m], ref[m].detach()) < 1e-5
+        assert rel(got[mb.mask.bool()], ref[m].detach()) < 1e-5
     assert abs(ent_chunked - ent_ref) < 1e-5 * ent_ref and abs(ent_whole - ent_ref) < 1e-5 * ent_ref
-    for name, p in model.named_parameters():
+    for name, p in twin.named_parameters():
         assert rel(g_chunked[name], p.grad) < 1e-5 and rel(g_whole[name], p.grad) < 1e-5, name
 
 
 def test_packed_plan_respects_the_budget():
     lengths = [60, 3, 17, 17, 40, 1, 22, 9, 70]
-    plan = grpo.plan_micro_batches(lengths, 64, packed=True)
+    plan = logprobs.plan_micro_batches(lengths, 64, packed=True)
     assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 64 or len(b) == 1 for b in plan)  # 70 alone
-    padded = grpo.plan_micro_batches(lengths, 64, packed=False)
+    padded = logprobs.plan_micro_batches(lengths, 64, packed=False)
     assert len(plan) < len(padded)  # packing needs fewer forwards for the same budget

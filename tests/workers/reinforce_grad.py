@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 import grpo
+import logprobs
 from rollout import Sample
 from grpo import LOSS_AGGS, split_mini_batches
 from train_grpo import Config, init_distributed
@@ -63,8 +64,8 @@ try:
 except RuntimeError as e:
     assert "parked" in str(e)
 fsdp_utils.onload(ref_model)
-ref_lp = grpo.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
-                              cfg.rollout.temperature)
+ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
+                                  cfg.rollout.temperature)
 with torch.no_grad():
     for i, lp in zip(mine, ref_lp):
         assert torch.allclose(lp, hf_logp(samples[i]), atol=1e-5), i
@@ -85,7 +86,7 @@ class FirstStep:
 
 
 recomputed = []
-real_sample_logprobs = grpo.sample_logprobs
+real_sample_logprobs = logprobs.sample_logprobs
 
 
 def counting_sample_logprobs(model, *args):
@@ -93,7 +94,7 @@ def counting_sample_logprobs(model, *args):
     return real_sample_logprobs(model, *args)
 
 
-grpo.sample_logprobs = counting_sample_logprobs
+logprobs.sample_logprobs = counting_sample_logprobs
 
 cases = [(agg, epochs, epochs, 0.0, "k3") for epochs in (1, 2) for agg in LOSS_AGGS]
 cases += [("seq_mean", 1, 1, 0.5, "k1"), ("token_mean", 2, 3, 0.5, "k3")]
@@ -135,7 +136,7 @@ for agg, epochs, n_mb, kl_coef, est in cases:
 # Several real updates per rollout (PPO): every step's gradient equals that of the clipped
 # surrogate on an unsharded model trained alongside with the same splits, ratios taken against
 # the logprobs from before the first step.
-grpo.sample_logprobs = real_sample_logprobs
+logprobs.sample_logprobs = real_sample_logprobs
 cfg.grpo.loss_agg, cfg.grpo.kl_coef = "token_mean", 0.0
 cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = 2, 2
 cfg.grpo.clip_low, cfg.grpo.clip_high = 0.1, 0.15

@@ -1,0 +1,340 @@
+"""The model's log-probabilities of sampled tokens, and the loss's gradient in the same pass.
+
+grpo.py states the algorithm; this file runs the model for it. A micro-batch is a list of samples
+(prompt_ids, response_ids); `micro_batch` lays it out on the host (one packed row, or a padded
+batch), `to_device` copies it over, and `run` calls the Hugging Face model once with its output
+layer replaced, so that the model returns, in place of its (B, T, vocab) logits:
+- without a loss: the (K,) fp32 logprobs of the K response tokens (old-policy and reference
+  passes, under no_grad);
+- with a loss: the loss itself, a scalar, whose gradient with respect to the final hidden states
+  and the output layer's weight was already computed in the forward (`_FusedOutputLayer`).
+
+The output layer runs only on the K rows that predict a response token, `chunk` rows at a time.
+Each chunk's logits exist once, in fp32 for the length of one pass, which yields the sampled
+tokens' logprob, the entropy of the sampling distribution softmax(logits / T) and, because the
+loss is a sum of per-token terms, the gradient of the loss with respect to each token's logprob
+(g = dL/dlogp, from the loss's own code, by autograd on that (c,) vector), and with it the
+gradients of the logits, of the hidden states and of the weight. Backward recomputes nothing: it
+scales the stored gradients by its incoming gradient. The result leaves through the model's
+forward, where FSDP2's hooks see it (the output weight is gathered for the forward and its
+gradient reduce-scattered after the backward; a tied embedding gets both of its gradients).
+
+No host synchronisation between the start of the forward and the end of the backward: every
+boundary of a packed row (cu_seq_lens, the longest sample) comes from the host, the inputs go
+over without blocking (pinned), logprobs stay on the device until `per_sample` reads all of a
+mini-batch's back at once, and metrics stay tensors for the caller to read. A compiled version of `_chunk_grad` (torch.compile on one platform, a fused vendor op on
+another) would go behind a plain function in npu_ops; none is written: plain torch runs
+everywhere, and nothing here has been measured on an accelerator yet.
+"""
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# a zero-loss stand-in sample (any object with these fields is a sample here)
+DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False)
+
+# model_types whose forward takes its attention masks prepared, as a dict per layer type
+# (transformers 5.19, models/qwen2/modeling_qwen2.py and qwen3: `isinstance(causal_mask_mapping :=
+# attention_mask, dict)`). Given None instead, create_causal_mask reads the position ids back to
+# the host once per forward (masking_utils.find_packed_sequence_indices) for any attention whose
+# mask function is registered (flash_attention_2 is; fsdp_utils' packed_sdpa is not).
+PREPARED_MASKS = ("qwen2", "qwen3")
+
+
+def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
+    """Group indices, longest first, so that each group fits `budget` tokens: packed, its total
+    length (first fit); padded, its (count x max length)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if packed:
+        batches, room = [], []
+        for i in order:
+            fits = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+            if fits is None:
+                batches.append([])
+                room.append(budget)
+                fits = len(room) - 1
+            batches[fits].append(i)
+            room[fits] -= lengths[i]
+        return batches
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
+def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]]:
+    """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
+    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward."""
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
+                              packed)
+    n = torch.tensor(len(plan))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return plan + [[]] * (int(n) - len(plan))
+
+
+def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
+    """Right-pad prompt+response sequences. Returns input_ids (N, T), attention (N, T), targets
+    (N, T-1), loss mask (N, T-1) over response tokens, and a dict of (N, T-1) tensors placed at
+    the response positions: "engine" (the engine's logp) and every entry of `per_token`, a list
+    with one sequence of per-response-token values for each sample."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    T = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T - 1)
+    values = {"engine": [s.logp for s in samples], **(per_token or {})}
+    padded = {k: torch.zeros(len(seqs), T - 1) for k in values}
+    for i, (s, x) in enumerate(zip(samples, seqs)):
+        ids[i, :len(x)] = torch.tensor(x)
+        attn[i, :len(x)] = 1
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        mask[i, p - 1:p - 1 + n] = 1  # position t predicts token t+1
+        for k, v in values.items():
+            padded[k][i, p - 1:p - 1 + n] = torch.as_tensor(v[i], dtype=torch.float32)
+    return ids, attn, ids[:, 1:], mask, padded
+
+
+@dataclass
+class MicroBatch:
+    """One forward's samples, laid out for the model. K = response tokens, in sample order (each
+    sample's response, first token first): the layout of every per-token vector here and in
+    grpo. (n, L) = (samples, longest response): the padded layout of grpo's sequence-wise math."""
+    inputs: dict  # the model's keyword arguments
+    rows: torch.Tensor  # (K,) long: the row of the flattened (B*T, H) hidden states predicting it
+    targets: torch.Tensor  # (K,) long: the response tokens
+    seq: torch.Tensor  # (K,) long: each token's sample
+    col: torch.Tensor  # (K,) long: its index within its response
+    mask: torch.Tensor  # (n, L) float: 1 on response tokens
+    lengths: list  # (n,) response lengths, on the host
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, L) -> (K,)"""
+        return x[self.seq, self.col]
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """(K,) -> (n, L), zeros elsewhere"""
+        return x.new_zeros(self.mask.shape).index_put_((self.seq, self.col), x)
+
+
+def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroBatch:
+    """Lay out `samples` on the host. packed: one row of the samples end to end, position ids
+    restarting at 0 for each, and the row's boundaries as transformers' flash attention takes
+    them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too; else a padded
+    batch, right-padded, with no attention mask: causal attention never lets a real token see the
+    padding after it, and padded positions carry no loss. Either way no attention mask is built
+    (see PREPARED_MASKS; config: the model's)."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    lens = torch.tensor([len(x) for x in seqs])
+    prompt = torch.tensor([len(s.prompt_ids) for s in samples])
+    lengths = [len(s.response_ids) for s in samples]
+    resp = torch.tensor(lengths)
+    seq = torch.repeat_interleave(torch.arange(len(samples)), resp)  # (K,)
+    col = torch.arange(int(resp.sum())) - torch.repeat_interleave(resp.cumsum(0) - resp, resp)
+    if packed:
+        starts = lens.cumsum(0) - lens  # (n,) each sample's first row
+        ids = torch.tensor([t for x in seqs for t in x])[None]  # (1, R)
+        positions = torch.arange(ids.shape[1]) - torch.repeat_interleave(starts, lens)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+        longest = int(lens.max())
+        inputs = {"input_ids": ids, "position_ids": positions[None], "cu_seq_lens_q": cu,
+                  "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    else:
+        T = int(lens.max())
+        starts = torch.arange(len(samples)) * T
+        ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, :len(x)] = torch.tensor(x)
+        inputs = {"input_ids": ids}
+    # position p - 1 + j of sample i predicts its response token j (p: its prompt's length)
+    rows = (starts + prompt - 1)[seq] + col
+    if getattr(config, "model_type", None) in PREPARED_MASKS:
+        inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
+    return MicroBatch(inputs=inputs, rows=rows,
+                      targets=torch.tensor([t for s in samples for t in s.response_ids]),
+                      seq=seq, col=col, lengths=lengths,
+                      mask=(torch.arange(max(lengths))[None] < resp[:, None]).float())
+
+
+def to_device(x, device):
+    """Tensors (also inside dicts and MicroBatches) onto `device`; from pinned host memory and
+    without blocking the host where the device is not the host itself."""
+    if isinstance(x, torch.Tensor):
+        pin = torch.device(device).type != "cpu"
+        return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, MicroBatch):
+        return MicroBatch(**{k: to_device(v, device) if k != "lengths" else v
+                             for k, v in vars(x).items()})
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# the output layer, a chunk of K rows at a time
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pass's sums: fp32, or the compute dtype if wider (fp64 in tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(h, weight, bias, temperature: float) -> torch.Tensor:
+    """(c, H) final hidden states -> (c, V) fp32 logits / temperature (the GEMM in the compute
+    dtype, then one fp32 copy that the caller owns)."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    z = z.to(_wide(z.dtype))
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+@torch.no_grad()
+def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int) -> torch.Tensor:
+    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets."""
+    out = torch.empty(h.shape[0], dtype=_wide(h.dtype), device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        logp = _logits(h[s:s + chunk], weight, bias, temperature).log_softmax(-1)  # (c, V)
+        out[s:s + chunk] = logp.gather(1, targets[s:s + chunk, None])[:, 0]
+    return out
+
+
+def _chunk_grad(h, weight, bias, targets, temperature: float, loss_fn, rows: slice):
+    """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
+    softmax(logits / T) over the chunk, the chunk's loss and clip count from
+    loss_fn(logp, rows), and dL/dlogits (c, V) in the compute dtype."""
+    z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
+    logp_all = z.log_softmax(-1)  # (c, V)
+    logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
+    p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
+    entropy = -logp_all.mul_(p).sum()  # -sum p log p, in logp_all's memory
+    del logp_all
+    with torch.enable_grad():  # the loss's own code, on a (c,) leaf: g = dL/dlogp
+        leaf = logp.detach().requires_grad_()
+        loss, clipped = loss_fn(leaf, rows)
+        (g,) = torch.autograd.grad(loss, leaf, materialize_grads=True)
+    # logp = z[t] - logsumexp(z) with z = logits / T: dlogp/dlogits = (onehot(t) - p) / T
+    g = g / temperature  # (c,)
+    dz = p.mul_(-g[:, None])  # (c, V), in p's memory
+    dz.scatter_add_(1, targets[:, None], g[:, None])
+    return logp, entropy, loss.detach(), clipped, dz.to(h.dtype)
+
+
+class _FusedOutputLayer(torch.autograd.Function):
+    """forward(hidden (B, T, H), weight (V, H), bias (V,) or None, ...) -> the micro-batch's loss
+    (0-dim fp32), with the gradients of hidden, weight and bias computed on the way, chunk by
+    chunk; backward scales them by its incoming gradient. The weight's gradient sums over chunks
+    in fp32 and is cast to the weight's dtype once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
+                loss_fn, first, out: dict):
+        flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
+        h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
+        if first is not None:  # the loss needs every token's logp before any gradient
+            first(_logp_pass(h, weight, bias, mb.targets, temperature, chunk))
+        f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
+        grad_hidden = torch.zeros_like(flat)
+        grad_weight = torch.zeros(weight.shape, **f32)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, **f32)
+        logps, total = [], {k: torch.zeros((), **f32) for k in ("loss", "entropy", "clipped")}
+        for s in range(0, h.shape[0], chunk):
+            k = slice(s, s + chunk)
+            logp, entropy, loss, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
+                                                           temperature, loss_fn, k)
+            grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
+            if dz.dtype == grad_weight.dtype:
+                grad_weight.addmm_(dz.t(), h[k])  # (V, H)
+            else:  # a GEMM in the compute dtype, summed in fp32
+                grad_weight.add_(dz.t() @ h[k])
+            if bias is not None:
+                grad_bias.add_(dz.sum(0))
+            logps.append(logp)
+            for name, v in (("loss", loss), ("entropy", entropy), ("clipped", clipped)):
+                total[name] += v
+        out.update(logp=torch.cat(logps) if logps else h.new_zeros(0, dtype=f32["dtype"]),
+                   entropy=total["entropy"], clipped=total["clipped"])
+        ctx.grads = (grad_hidden.view(hidden.shape), grad_weight.to(weight.dtype),
+                     None if bias is None else grad_bias.to(bias.dtype))
+        return total["loss"]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 6
+
+
+def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, first=None) -> dict:
+    """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
+    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature) (detached).
+    With loss_fn(logp (c,), rows: slice of K) -> (loss, clip count), a sum of per-token terms:
+    also "loss" (0-dim; its backward() runs the model's backward), "entropy" and "clipped" (0-dim
+    sums over the K tokens, on the device). first(logp (K,)), if given, sees every token's logp
+    (no gradient) before the gradient pass: one more pass over the vocabulary, for a loss that
+    needs whole sequences first."""
+    head, out = model.get_output_embeddings(), {}
+
+    def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
+        if loss_fn is None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out["logp"] = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
+                                     mb.targets, temperature, chunk)
+            return out["logp"]
+        return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
+                                       loss_fn, first, out)
+
+    head.forward = types.MethodType(forward, head)
+    try:
+        result = model(**mb.inputs, use_cache=False)
+    finally:
+        del head.forward
+    if loss_fn is not None:
+        out["loss"] = result.logits
+    return out
+
+
+def hold_gathered(model, hold: bool) -> None:
+    """Whether the FSDP2 units that stay gathered from forward to backward anyway (the root, and
+    every unit under reshard_after_forward=False) also stay gathered after this backward, for the
+    next micro-batch of the same optimizer step. FSDP2 casts a unit's fp32 shards to the compute
+    dtype each time it gathers them (at one rank too: a copy in place of the all-gather; torch
+    2.13, _fsdp_param.py all_gather_inputs, _fsdp_param_group.py wait_for_unshard); held, the next
+    forward neither casts nor gathers them, at no cost in peak memory. Units resharded after
+    forward (ZeRO-3) are left as they are: gathering again is what frees their memory. Call it
+    after a forward (FSDP2 makes the root at the first one), with hold=False before the step's
+    last backward."""
+    for m in model.modules():
+        if not hasattr(m, "set_reshard_after_backward"):  # not an FSDP2 unit
+            continue
+        # torch 2.13 _fsdp_param_group.py: post_forward_mesh_info None = kept after forward
+        if all(g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups):
+            m.set_reshard_after_backward(not hold, recurse=False)
+
+
+def per_sample(found: list, n: int) -> list:
+    """[(sample indices, (K,) logp on the device, response lengths)], one entry per micro-batch
+    -> n (n_i,) fp32 host tensors, one per sample, from one copy off the device."""
+    out = [torch.zeros(0)] * n
+    if not found:
+        return out
+    flat = torch.cat([logp for _, logp, _ in found]).cpu()  # the one read back
+    for (idx, _, lengths), part in zip(found, flat.split([sum(x) for *_, x in found])):
+        for i, logp in zip(idx, part.split(lengths)):
+            out[i] = logp
+    return out
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: list, g, pad_id: int, device, temperature: float) -> list:
+    """Each sample's response-token logprobs under `model` (old or reference policy): a list of
+    (n_i,) fp32 CPU tensors. g: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
+    model.eval()
+    found = []
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
+        batch = [samples[i] for i in idx] or [DUMMY]
+        mb = to_device(micro_batch(batch, pad_id, g.pack, model.config), device)
+        found.append((idx, run(model, mb, temperature, g.logprob_chunk)["logp"], mb.lengths))
+    return per_sample(found, len(samples))

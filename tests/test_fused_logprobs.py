@@ -1,0 +1,229 @@
+"""The fused output layer (logprobs.py) computes what the plain, unfused statement computes.
+
+On tiny Qwen2 and Qwen3 models in fp32, under every loss aggregation, mismatch correction and KL
+estimator, on- and off-policy, at temperatures 0.7 and 1: grpo.accumulate_gradients (packed
+micro-batches, 5 output rows per chunk, gradients produced in the forward) against transformers'
+own logits of a padded batch fed to grpo.token_logprobs, grpo_loss and masked_entropy_sum,
+differentiated by autograd: in fp64 the loss, every logprob, the entropy and the gradient of
+every weight within 1e-6 relative (the same arithmetic); in fp32 within 1e-5 (rounding alone);
+the clip count exactly. The tolerances are derived next to the assertions.
+
+And no host synchronisation inside a micro-batch: between the start of a micro-batch's forward
+and the end of its backward, our code (and what it calls) reads no tensor back to Python and
+calls no operation whose output size depends on tensor values (on an accelerator, each would
+wait for the device). Checked on the plain model and under FSDP2 at one rank.
+"""
+
+import collections
+import copy
+import traceback
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import grpo
+from test_packing import model_for, varied_samples, world_of_one  # noqa: F401 (fixture)
+
+# (loss_agg, clip_low, clip_high, kl_coef, kl_estimator, is_correction, on_policy, temperature)
+VARIANTS = [
+    ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", True, 0.7),
+    ("seq_mean", 0.1, 0.3, 0.05, "k1", "seq_mask", True, 0.7),  # weights need whole sequences
+    ("constant", 0.2, 0.28, 0.2, "k2", "none", False, 0.7),
+    ("token_mean", 0.2, 0.28, 0.1, "k3", "seq_mask", False, 1.0),
+    ("seq_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 1.0),
+]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def hf_logits(model, samples):
+    """transformers' own (sdpa, padded batch) logits on the same weights: (n, T-1, V), targets,
+    mask, and the engine logp, padded."""
+    import logprobs
+
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
+                                            attn_implementation="sdpa")
+    twin.to(next(model.parameters()).dtype).load_state_dict(model.state_dict())
+    ids, attn, targets, mask, pt = logprobs.pad_batch(samples, 0)
+    return twin, twin(input_ids=ids, attention_mask=attn).logits[:, :-1], targets, mask, pt
+
+
+def fused_and_unfused(arch, variant, dtype):
+    """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
+    the model in `dtype`; the mismatch weights too, to check that they took part."""
+    import logprobs
+
+    agg, low, high, kl, est, mode, on_policy, temp = variant
+    torch.manual_seed(0)  # model_for perturbs the norms with the global generator
+    model, samples = model_for(arch).to(dtype), varied_samples(2)
+    g = grpo.GRPOConfig(loss_agg=agg, clip_low=low, clip_high=high, kl_coef=kl, kl_estimator=est,
+                        is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5)
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.randn(len(samples), generator=gen)
+    twin, logits, targets, mask, _ = hf_logits(model, samples)
+    lp = grpo.token_logprobs(logits, targets, temp)  # (n, T-1)
+    m = mask.bool()
+
+    def near(scale):  # per-sample lists near the true logp: ratios on both sides of the clip
+        return [(lp[i][m[i]].detach().float() + scale * torch.randn(int(m[i].sum()),
+                                                                    generator=gen))
+                for i in range(len(samples))]
+
+    for s, e in zip(samples, near(0.3)):  # the engine sampled from nearly the same policy
+        s.logp = e.tolist()
+    old, ref = (None if on_policy else near(0.3)), (near(0.5) if kl else None)
+    model.zero_grad()
+    logps, stats = grpo.accumulate_gradients(model, samples, adv, old, ref, g, 0, "cpu", temp, 64)
+    fused = {"loss": stats["loss"], "entropy": stats["entropy"], "clipped": stats["clipped"],
+             "logp": torch.cat(logps), **{n: p.grad for n, p in model.named_parameters()}}
+
+    pad = lambda lists: logprobs.pad_batch(  # noqa: E731
+        samples, 0, {"x": lists})[4]["x"].to(dtype)
+    old_pad = lp.detach() if on_policy else pad(old)
+    w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), mask, mode, g.is_cap)
+    loss, clipped = grpo.grpo_loss(lp, old_pad, adv.to(dtype), mask.to(dtype), g,
+                                   float(mask.sum()), float(len(samples)), 64, w,
+                                   pad(ref) if kl else None)
+    loss.backward()
+    terms = grpo.token_terms(lp.detach(), old_pad, adv.to(dtype)[:, None], g, w,
+                             pad(ref) if kl else None)[0]
+    scale = (terms * grpo.loss_weights(mask.to(dtype), g, float(mask.sum()), float(len(samples)),
+                                       64)).abs().sum()  # the size of the loss's terms
+    unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
+               "entropy": grpo.masked_entropy_sum(logits.detach() / temp, mask),
+               **{n: p.grad for n, p in twin.named_parameters()}}
+    return fused, unfused, w[m], scale
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["-".join(map(str, v)) for v in VARIANTS])
+def test_fused_equals_unfused(arch, variant, world_of_one):
+    on_policy, mode = variant[6], variant[5]
+    # fp64: the same arithmetic. What differs: the per-token inputs (advantages, aggregation and
+    # mismatch weights) enter the fused path in fp32, relative rounding 2^-24 = 6e-8 each, and
+    # the loss and each gradient element sum a few hundred tokens' terms of either sign: 1e-6 of
+    # the size of those terms (the loss's terms; the model's largest gradient), 1e-6 of the
+    # logprobs and of the entropy (the masked_entropy_sum reference sums in fp32)
+    # fp32, as the trainer runs on CPU: the two differ by fp32 rounding alone, in different orders
+    # (chunks, micro-batches, packed attention): at most a few hundred terms per sum, 2^-24 each,
+    # walking to ~1e-6 of their size; 1e-5 leaves a factor ten. (Relative to its own largest
+    # element, the gradient of an attention weight can be 1e-5 off in either computation: its
+    # terms cancel.)
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        fused, unfused, w, scale = fused_and_unfused(arch, variant, dtype)
+        assert abs(fused["loss"] - unfused["loss"]) < tol * scale
+        for name in ("entropy", "logp"):
+            assert rel(torch.as_tensor(fused[name]).double(),
+                       torch.as_tensor(unfused[name]).double()) < tol, name
+        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
+        top = max(unfused[k].abs().max() for k in grads)
+        for name in grads:
+            assert unfused[name].abs().max() > 0, name  # every weight takes part
+            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
+    assert fused["clipped"] == unfused["clipped"]
+    if not on_policy:
+        assert 0 < unfused["clipped"] < len(unfused["logp"])  # the clip took part
+    if mode != "none":
+        assert (w != 1).any()  # so did the mismatch weights
+
+
+# ----------------------------------------------------------------------------------------------
+# host synchronisations
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+         "nonzero", "masked_select", "unique")  # a value back to Python, or a value-sized output
+FUNCTIONS = ("nonzero", "masked_select", "unique", "repeat_interleave")
+
+
+class SyncCounter:
+    """While `on`, counts the calls above (and bool-mask indexing, and repeat_interleave without
+    output_size), by call site."""
+
+    def __init__(self, monkeypatch):
+        self.on, self.sites, self.windows = False, collections.Counter(), 0
+        for name in READS:
+            monkeypatch.setattr(torch.Tensor, name, self.wrap(getattr(torch.Tensor, name), name))
+        for name in FUNCTIONS:
+            monkeypatch.setattr(torch, name, self.wrap(getattr(torch, name), "torch." + name))
+        for name in ("__getitem__", "__setitem__"):
+            monkeypatch.setattr(torch.Tensor, name, self.wrap(getattr(torch.Tensor, name), name))
+
+    def counts(self, name, args, kwargs) -> bool:
+        if name in ("__getitem__", "__setitem__"):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(torch.is_tensor(i) and i.dtype == torch.bool for i in index)
+        if name == "torch.repeat_interleave":
+            return torch.is_tensor(args[1] if len(args) > 1 else kwargs.get("repeats")) and (
+                kwargs.get("output_size") is None)
+        return True
+
+    def wrap(self, fn, name):
+        def counted(*args, **kwargs):
+            if self.on and self.counts(name, args, kwargs):
+                self.on = False  # not inside our own bookkeeping
+                site = traceback.extract_stack(limit=2)[0]
+                self.sites[f"{name} at {site.filename}:{site.lineno}"] += 1
+                self.on = True
+            return fn(*args, **kwargs)
+        return counted
+
+    def around(self, model, monkeypatch):
+        """On from the start of the model's forward to the end of each backward."""
+        def start(*_):
+            self.on, self.windows = True, self.windows + 1
+        model.register_forward_pre_hook(start, prepend=True)
+        backward = torch.Tensor.backward
+
+        def counted_backward(t, *args, **kwargs):
+            backward(t, *args, **kwargs)
+            self.on = False
+        monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
+
+
+def fsdp_model(arch, path):
+    """The tiny model as the trainer builds it (FSDP2, one rank)."""
+    import fsdp_utils
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model_for(arch).save_pretrained(path)
+    return fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=str(path), param_dtype="float32"),
+                                  init_device_mesh("cpu", (1,)))
+
+
+@pytest.mark.parametrize("arch, sharded", [("qwen2", False), ("qwen3", False), ("qwen2", True)],
+                         ids=["qwen2", "qwen3", "qwen2-fsdp2"])
+@pytest.mark.parametrize("mode", ["tis", "seq_mask"])
+def test_no_host_sync_in_a_micro_batch(arch, sharded, mode, world_of_one, monkeypatch, tmp_path):
+    model = fsdp_model(arch, tmp_path) if sharded else model_for(arch)
+    samples = varied_samples()
+    counter = SyncCounter(monkeypatch)
+    counter.around(model, monkeypatch)
+    g = grpo.GRPOConfig(is_correction=mode, kl_coef=0.1, micro_batch_tokens=4096)  # one
+    ref = [[-1.0] * len(s.response_ids) for s in samples]
+    for old in (None, ref):  # on-policy, and off-policy with a reference
+        grpo.accumulate_gradients(model, samples, torch.randn(len(samples)), old, ref, g, 0,
+                                  "cpu", 0.7, 64)
+    assert counter.windows == 2 and not counter.on  # each forward opened it, backward closed it
+    assert not counter.sites, dict(counter.sites)
+    # the check can fail: a read in the window is counted
+    counter.on = True
+    torch.ones(2).sum().item()
+    counter.on = False
+    assert sum(counter.sites.values()) == 1
+
+
+def test_no_host_sync_in_the_logprob_pass(world_of_one, monkeypatch):
+    import logprobs
+
+    model, samples = model_for("qwen3"), varied_samples()
+    counter = SyncCounter(monkeypatch)
+    model.register_forward_pre_hook(lambda *_: setattr(counter, "on", True), prepend=True)
+    model.register_forward_hook(lambda *_: setattr(counter, "windows", counter.windows + 1))
+    model.register_forward_hook(lambda *_: setattr(counter, "on", False))
+    g = grpo.GRPOConfig(micro_batch_tokens=64)  # several micro-batches
+    logprobs.sample_logprobs(model, samples, g, 0, "cpu", 0.7)
+    assert counter.windows == 4
+    assert not counter.sites, dict(counter.sites)
