@@ -19,6 +19,11 @@ sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scalin
 clipping (DAPO), several epochs and mini-batches per rollout (PPO), a KL term to a frozen
 reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (DAPO), and
 masking or a soft penalty for responses cut at the length limit (DAPO).
+
+A multi-turn sample (episodes.py) holds the environment's replies inside its response, with
+`mask` 0 there: those tokens get no loss, no importance weight and no KL, count in no token
+mean, and stay out of the mismatch and KL metrics. "Response token" above means a token the
+model wrote.
 """
 
 import math
@@ -218,7 +223,8 @@ def token_inputs(batch: list, mb, adv, old_logp, ref_logp, g: GRPOConfig, n_toke
                                    for x in lists])
     t = {"engine": cat([s.logp for s in batch]),
          "adv": torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)),
-         "coef": mb.flat(loss_weights(mb.mask, g, n_tokens, n_seqs, max_len))}
+         "coef": mb.flat(loss_weights(mb.mask, g, n_tokens, n_seqs, max_len)),
+         "written": mb.flat(mb.mask)}  # 1 on the model's tokens, 0 on an environment's
     if old_logp is not None:
         t["old"] = cat(old_logp)
         t["is_weight"] = mb.flat(mismatch_weights(mb.padded(t["old"]), mb.padded(t["engine"]),
@@ -236,11 +242,11 @@ def token_loss(t: dict, mb, g: GRPOConfig):
     def loss_fn(logp, k):
         old = t["old"][k] if "old" in t else logp.detach()
         w = t["is_weight"][k] if "is_weight" in t else mismatch_weights(
-            old[None], t["engine"][k][None], torch.ones_like(old)[None], g.is_correction,
+            old[None], t["engine"][k][None], t["written"][k][None], g.is_correction,
             g.is_cap)[0]
         per_token, clipped = token_terms(logp, old, t["adv"][k], g, w,
                                          t["ref"][k] if "ref" in t else None)
-        return (per_token * t["coef"][k]).sum(), clipped.sum()
+        return (per_token * t["coef"][k]).sum(), (clipped * t["written"][k]).sum()
 
     def first(logp):  # (K,)
         t["is_weight"] = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t["engine"]),
@@ -258,7 +264,7 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
     Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
     metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
     temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
-    counts = torch.tensor([float(sum(len(s.response_ids) for s in samples)), float(len(samples))])
+    counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples))])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
     n_tokens, n_seqs = counts.tolist()
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
@@ -283,6 +289,14 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                 stats[name] = stats[name] + out[name].detach()  # in the wider dtype
             found.append((idx, out["logp"], mb.lengths))
     return logprobs.per_sample(found, len(samples)), stats
+
+
+def written(samples: list, per_token: list) -> list:
+    """Each sample's per-response-token values (a tensor or a list) at the tokens the model
+    wrote (rollout.Sample.mask), as tensors."""
+    return [torch.as_tensor(v) if s.mask is None
+            else torch.as_tensor(v)[torch.tensor(s.mask, dtype=torch.bool)]
+            for s, v in zip(samples, per_token)]
 
 
 def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
@@ -326,18 +340,20 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
                 for k, i in enumerate(part):
                     old_logp[i] = logp[k]
             clipped += stats["clipped"]
-            loss_tokens += sum(len(samples[i].response_ids) for i in part)
+            loss_tokens += sum(samples[i].model_tokens for i in part)
             if epoch == 0:  # entropy of the policy as it meets this rollout
                 entropy += stats["entropy"]
             norms.append(fsdp_utils.clip_grad_norm(actor, grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tokens = sum(len(s.response_ids) for s in samples)
+    tokens = sum(s.model_tokens for s in samples)
     clipped, entropy = torch.stack([clipped, entropy]).tolist()  # the update's one metrics read
+    old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),
-           **mismatch_stats(old_logp, [s.logp for s in samples], g.is_cap)}
+           **mismatch_stats(old_logp, written(samples, [s.logp for s in samples]), g.is_cap)}
     if ref_logp is not None:
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, g.kl_estimator).sum().item()
-                                      for o, r in zip(old_logp, ref_logp)), tokens)
+                                      for o, r in zip(old_logp, written(samples, ref_logp))),
+                                  tokens)
     return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}

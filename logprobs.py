@@ -22,9 +22,16 @@ gradient reduce-scattered after the backward; a tied embedding gets both of its 
 No host synchronisation between the start of the forward and the end of the backward: every
 boundary of a packed row (cu_seq_lens, the longest sample) comes from the host, the inputs go
 over without blocking (pinned), logprobs stay on the device until `per_sample` reads all of a
-mini-batch's back at once, and metrics stay tensors for the caller to read. A compiled version of `_chunk_grad` (torch.compile on one platform, a fused vendor op on
-another) would go behind a plain function in npu_ops; none is written: plain torch runs
-everywhere, and nothing here has been measured on an accelerator yet.
+mini-batch's back at once, and metrics stay tensors for the caller to read.
+
+A sample may carry `mask` (rollout.Sample: 1 where the model wrote the token, 0 where an
+environment did): MicroBatch.mask is then 1 on the model's tokens only, the entropy sums over
+them, and grpo's per-token weights give the others no loss. Every response token is still run
+through the output layer and gets a logprob (a sample's logprobs stay one vector).
+
+A compiled version of `_chunk_grad` (torch.compile on one platform, a fused vendor op on another)
+would go behind a plain function in npu_ops; none is written: plain torch runs everywhere, and
+nothing here has been measured on an accelerator yet.
 """
 
 import types
@@ -110,7 +117,7 @@ class MicroBatch:
     targets: torch.Tensor  # (K,) long: the response tokens
     seq: torch.Tensor  # (K,) long: each token's sample
     col: torch.Tensor  # (K,) long: its index within its response
-    mask: torch.Tensor  # (n, L) float: 1 on response tokens
+    mask: torch.Tensor  # (n, L) float: 1 on the response tokens the model wrote
     lengths: list  # (n,) response lengths, on the host
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +135,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
     them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too; else a padded
     batch, right-padded, with no attention mask: causal attention never lets a real token see the
     padding after it, and padded positions carry no loss. Either way no attention mask is built
-    (see PREPARED_MASKS; config: the model's)."""
+    (see PREPARED_MASKS; config: the model's). The mask is 1 on the tokens the model wrote:
+    all of a response, or where a sample's own `mask` says so."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     lens = torch.tensor([len(x) for x in seqs])
     prompt = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -155,10 +163,12 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
     rows = (starts + prompt - 1)[seq] + col
     if getattr(config, "model_type", None) in PREPARED_MASKS:
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
+    written = torch.tensor([float(m) for s in samples
+                            for m in (getattr(s, "mask", None) or [1] * len(s.response_ids))])
     return MicroBatch(inputs=inputs, rows=rows,
                       targets=torch.tensor([t for s in samples for t in s.response_ids]),
                       seq=seq, col=col, lengths=lengths,
-                      mask=(torch.arange(max(lengths))[None] < resp[:, None]).float())
+                      mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written))
 
 
 def to_device(x, device):
@@ -202,15 +212,15 @@ def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int) -> torc
     return out
 
 
-def _chunk_grad(h, weight, bias, targets, temperature: float, loss_fn, rows: slice):
+def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, rows: slice):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
-    softmax(logits / T) over the chunk, the chunk's loss and clip count from
-    loss_fn(logp, rows), and dL/dlogits (c, V) in the compute dtype."""
+    softmax(logits / T) over the chunk's rows where `written` (c,) is 1, the chunk's loss and
+    clip count from loss_fn(logp, rows), and dL/dlogits (c, V) in the compute dtype."""
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
     logp_all = z.log_softmax(-1)  # (c, V)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
     p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
-    entropy = -logp_all.mul_(p).sum()  # -sum p log p, in logp_all's memory
+    entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
     del logp_all
     with torch.enable_grad():  # the loss's own code, on a (c,) leaf: g = dL/dlogp
         leaf = logp.detach().requires_grad_()
@@ -234,6 +244,7 @@ class _FusedOutputLayer(torch.autograd.Function):
                 loss_fn, first, out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
+        written = mb.flat(mb.mask)  # (K,)
         if first is not None:  # the loss needs every token's logp before any gradient
             first(_logp_pass(h, weight, bias, mb.targets, temperature, chunk))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
@@ -244,7 +255,7 @@ class _FusedOutputLayer(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             k = slice(s, s + chunk)
             logp, entropy, loss, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                           temperature, loss_fn, k)
+                                                           written[k], temperature, loss_fn, k)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)

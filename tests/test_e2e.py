@@ -187,3 +187,26 @@ def test_plugin_reward_trains(tiny_task_dir, tmp_path):
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > 2 * first and last > 0.1, (first, last)
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
+
+
+def test_multi_turn_run(tiny_task_dir, tmp_path):
+    """configs/multiturn_cpu.yaml, shortened: episodes of two turns with the environment's reply
+    in between, through the real loop. The engine's logprobs of the model's tokens equal the
+    trainer's at every step (fp32: the replies are context, not compared), episodes really take
+    a second turn, and the second chances teach the model."""
+    steps, out_dir = 50, tmp_path / "run"  # the full config: 200 steps
+    out = launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml",
+                  f"--train.steps={steps}", f"--data.tiny_task_dir={tiny_task_dir}",
+                  f"--log.out_dir={out_dir}", "--log.eval_every=0"], timeout=900)
+    assert f"step {steps}/{steps} | reward" in out
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["logp_gap"] < 1e-4 for r in rows)  # over the model's tokens, every step
+    assert all(r["env_errors"] == 0 and r["env_timeouts"] == 0 for r in rows)
+    assert rows[0]["turns_mean"] > 1.5  # most first answers are wrong: a second turn follows
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > 2 * first, (first, last)
+    roles = [[m["role"] for m in json.loads(line)["completion"]]  # whole conversations
+             for line in open(out_dir / "samples.jsonl")]
+    assert ["assistant", "user", "assistant"] in [r[-3:] for r in roles], roles[:3]

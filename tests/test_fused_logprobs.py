@@ -6,7 +6,10 @@ micro-batches, 5 output rows per chunk, gradients produced in the forward) again
 own logits of a padded batch fed to grpo.token_logprobs, grpo_loss and masked_entropy_sum,
 differentiated by autograd: in fp64 the loss, every logprob, the entropy and the gradient of
 every weight within 1e-6 relative (the same arithmetic); in fp32 within 1e-5 (rounding alone);
-the clip count exactly. The tolerances are derived next to the assertions.
+the clip count exactly. The tolerances are derived next to the assertions. Multi-turn samples
+(environment replies inside the response) against the same statement with their masks applied
+by hand; and the environment's tokens at the end of an episode, and the logprobs the engine
+reports for them, move no gradient.
 
 And no host synchronisation inside a micro-batch: between the start of a micro-batch's forward
 and the end of its backward, our code (and what it calls) reads no tensor back to Python and
@@ -51,14 +54,42 @@ def hf_logits(model, samples):
     return twin, twin(input_ids=ids, attention_mask=attn).logits[:, :-1], targets, mask, pt
 
 
-def fused_and_unfused(arch, variant, dtype):
+def with_turns(samples):
+    """Every response of 6 tokens or more becomes an episode, as episodes.py writes one: the
+    model's first turn, an environment's reply (mask 0), the model's second turn, and in every
+    other sample a trailing reply (an episode that stopped at its token limit)."""
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        if n >= 6:
+            first, reply = n // 3, max(1, n // 4)
+            s.mask = [1] * first + [0] * reply + [1] * (n - first - reply)
+            if i % 2:
+                s.mask[-2:] = [0, 0]
+    return samples
+
+
+def by_hand(mask, samples):
+    """(n, T-1) response mask -> the same with each sample's environment tokens set to 0."""
+    hand = mask.clone()
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        for j, written in enumerate(s.mask or []):
+            if not written:
+                hand[i, p - 1 + j] = 0  # position p - 1 + j predicts response token j
+    return hand
+
+
+def fused_and_unfused(arch, variant, dtype, turns=False):
     """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
-    the model in `dtype`; the mismatch weights too, to check that they took part."""
+    the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
+    samples are multi-turn episodes, and the unfused statement applies their masks by hand."""
     import logprobs
 
     agg, low, high, kl, est, mode, on_policy, temp = variant
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
+    if turns:
+        with_turns(samples)
     g = grpo.GRPOConfig(loss_agg=agg, clip_low=low, clip_high=high, kl_coef=kl, kl_estimator=est,
                         is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5)
     gen = torch.Generator().manual_seed(3)
@@ -73,7 +104,8 @@ def fused_and_unfused(arch, variant, dtype):
                 for i in range(len(samples))]
 
     for s, e in zip(samples, near(0.3)):  # the engine sampled from nearly the same policy
-        s.logp = e.tolist()
+        s.logp = [x if w else 0.0 for x, w in zip(e.tolist(), s.mask or [1] * len(e))]  # 0: not sampled
+    hand = by_hand(mask, samples)  # the response tokens the model wrote
     old, ref = (None if on_policy else near(0.3)), (near(0.5) if kl else None)
     model.zero_grad()
     logps, stats = grpo.accumulate_gradients(model, samples, adv, old, ref, g, 0, "cpu", temp, 64)
@@ -83,24 +115,27 @@ def fused_and_unfused(arch, variant, dtype):
     pad = lambda lists: logprobs.pad_batch(  # noqa: E731
         samples, 0, {"x": lists})[4]["x"].to(dtype)
     old_pad = lp.detach() if on_policy else pad(old)
-    w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), mask, mode, g.is_cap)
-    loss, clipped = grpo.grpo_loss(lp, old_pad, adv.to(dtype), mask.to(dtype), g,
-                                   float(mask.sum()), float(len(samples)), 64, w,
+    w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), hand, mode, g.is_cap)
+    loss, clipped = grpo.grpo_loss(lp, old_pad, adv.to(dtype), hand.to(dtype), g,
+                                   float(hand.sum()), float(len(samples)), 64, w,
                                    pad(ref) if kl else None)
     loss.backward()
     terms = grpo.token_terms(lp.detach(), old_pad, adv.to(dtype)[:, None], g, w,
                              pad(ref) if kl else None)[0]
-    scale = (terms * grpo.loss_weights(mask.to(dtype), g, float(mask.sum()), float(len(samples)),
+    scale = (terms * grpo.loss_weights(hand.to(dtype), g, float(hand.sum()), float(len(samples)),
                                        64)).abs().sum()  # the size of the loss's terms
     unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
-               "entropy": grpo.masked_entropy_sum(logits.detach() / temp, mask),
+               "entropy": grpo.masked_entropy_sum(logits.detach() / temp, hand),
                **{n: p.grad for n, p in twin.named_parameters()}}
-    return fused, unfused, w[m], scale
+    return fused, unfused, w[hand.bool()], scale
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch, turns", [("qwen2", False), ("qwen3", False), ("qwen2", True)],
+                         ids=["qwen2", "qwen3", "qwen2-multi-turn"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=["-".join(map(str, v)) for v in VARIANTS])
-def test_fused_equals_unfused(arch, variant, world_of_one):
+def test_fused_equals_unfused(arch, turns, variant, world_of_one):
+    """turns: multi-turn samples against the plain statement with their masks applied by hand
+    (every response token still gets a logprob; only the model's count anywhere else)."""
     on_policy, mode = variant[6], variant[5]
     # fp64: the same arithmetic. What differs: the per-token inputs (advantages, aggregation and
     # mismatch weights) enter the fused path in fp32, relative rounding 2^-24 = 6e-8 each, and
@@ -113,7 +148,7 @@ def test_fused_equals_unfused(arch, variant, world_of_one):
     # element, the gradient of an attention weight can be 1e-5 off in either computation: its
     # terms cancel.)
     for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
-        fused, unfused, w, scale = fused_and_unfused(arch, variant, dtype)
+        fused, unfused, w, scale = fused_and_unfused(arch, variant, dtype, turns)
         assert abs(fused["loss"] - unfused["loss"]) < tol * scale
         for name in ("entropy", "logp"):
             assert rel(torch.as_tensor(fused[name]).double(),
@@ -128,6 +163,49 @@ def test_fused_equals_unfused(arch, variant, world_of_one):
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the clip took part
     if mode != "none":
         assert (w != 1).any()  # so did the mismatch weights
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[3:4],
+                         ids=["-".join(map(str, v)) for v in VARIANTS[:2] + VARIANTS[3:4]])
+def test_environment_tokens_move_no_gradient(variant, world_of_one):
+    """An environment's reply at the end of an episode (as when it stopped at its token limit)
+    is context for nothing the model wrote: replacing its tokens, and the logprobs the engine
+    reports for them, leaves the loss, the clip count and every gradient as they were. (Replies
+    between turns change the context of the next turn, so they do change the gradient.)"""
+    agg, low, high, kl, est, mode, on_policy, temp = variant
+    torch.manual_seed(0)
+    model, samples = model_for("qwen2"), with_turns(varied_samples(2))
+    g = grpo.GRPOConfig(loss_agg=agg, clip_low=low, clip_high=high, kl_coef=kl, kl_estimator=est,
+                        is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5)
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.randn(len(samples), generator=gen)
+    near = [torch.tensor(s.logp) * 0.1 for s in samples]
+    old, ref = (None if on_policy else near), (near if kl else None)
+    trailing = [i for i, s in enumerate(samples) if s.mask and not s.mask[-1]]
+    assert trailing
+
+    def update():
+        model.zero_grad()
+        _, stats = grpo.accumulate_gradients(model, samples, adv, old, ref, g, 0, "cpu", temp, 64)
+        return stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    before, grads = update()
+    for i in trailing:  # new reply tokens, and an engine that reports anything for them
+        s = samples[i]
+        s.response_ids[-2:] = [(t + 5) % 13 + 2 for t in s.response_ids[-2:]]
+        s.logp[-2:] = [-9.0, 3.0]
+    after, grads_after = update()
+    # the same arithmetic on the same values, up to the order of fp32 sums: 1e-6 of the size
+    top = max(x.abs().max() for x in grads.values())
+    assert abs(after["loss"] - before["loss"]) <= 1e-6 * abs(before["loss"])
+    assert after["clipped"] == before["clipped"]
+    for name, x in grads.items():
+        assert (grads_after[name] - x).abs().max() <= 1e-6 * top, name
+    # the check can fail: the same change on a token the model wrote moves the gradient
+    s = samples[trailing[0]]
+    s.mask[-1] = 1
+    moved = update()[1]
+    assert max((moved[n] - x).abs().max() for n, x in grads.items()) > 1e-3 * top
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +276,7 @@ def fsdp_model(arch, path):
 @pytest.mark.parametrize("mode", ["tis", "seq_mask"])
 def test_no_host_sync_in_a_micro_batch(arch, sharded, mode, world_of_one, monkeypatch, tmp_path):
     model = fsdp_model(arch, tmp_path) if sharded else model_for(arch)
-    samples = varied_samples()
+    samples = with_turns(varied_samples())  # masks included
     counter = SyncCounter(monkeypatch)
     counter.around(model, monkeypatch)
     g = grpo.GRPOConfig(is_correction=mode, kl_coef=0.1, micro_batch_tokens=4096)  # one
