@@ -335,8 +335,8 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm across shards; returns the norm before clipping."""
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm across shards; returns the norm before clipping, a 0-dim
+    tensor left on the device (the caller reads a step's norms back at once)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else 1e30)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return norm.item()
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -347,7 +347,7 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
             opt.step()
             opt.zero_grad(set_to_none=True)
     tokens = sum(s.model_tokens for s in samples)
-    clipped, entropy = torch.stack([clipped, entropy]).tolist()  # the update's one metrics read
+    clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),

@@ -51,7 +51,7 @@ for step in range(3):
     accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg.grpo, 0,
                          "cpu", cfg.rollout.temperature, cfg.rollout.max_new_tokens)
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}  # before clip
-    norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip)
+    norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip).item()
     clipped = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}
     opt.step()
     opt.zero_grad()
