@@ -1,4 +1,5 @@
-"""Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download.
+"""Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download; and
+`timed`, how the benchmarks time a call.
 
 `SHAPES` names real models' shapes; `random_qwen2` writes one (fp32 weights, the tiny task's
 tokenizer, padded with extra tokens to the model's vocabulary so every id the engine samples
@@ -6,8 +7,10 @@ decodes) once under the temp dir, and returns its directory.
 """
 
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,3 +68,19 @@ def random_qwen2(hidden: int, layers: int, rank: int, heads: int = 0, kv_heads: 
     if dist.is_initialized():
         dist.barrier()
     return os.path.join(root, "model")
+
+
+def timed(fn, repeats: int, pick=statistics.median) -> float:
+    """pick (the median, or min) of the seconds of `repeats` calls of fn() after one warm-up,
+    the device's queue drained around each."""
+    import npu_ops  # the scripts import it first: it sets the platform's environment
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        npu_ops.synchronize()
+        t = time.perf_counter()
+        fn()
+        npu_ops.synchronize()
+        times.append(time.perf_counter() - t)
+    return pick(times)

@@ -41,7 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
-from common import add_model_args, model_from_args  # noqa: E402
+from common import add_model_args, model_from_args, timed  # noqa: E402
 
 VARIANTS = {"packed": dict(pack=True, logprob_chunk=1024),
             "padded": dict(pack=False, logprob_chunk=1024),
@@ -125,19 +125,6 @@ def run_one(args, variant: str) -> dict:
         out["bare_s"] = bare_floor(path, plan, getattr(torch, args.dtype), device, args.repeats)
     dist.destroy_process_group()
     return out
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up, the device's queue drained around each."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        npu_ops.synchronize()
-        t = time.perf_counter()
-        fn()
-        npu_ops.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def gemm_floor(cfg, plan: list, dtype, device, repeats: int) -> float:

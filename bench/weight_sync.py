@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,20 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import fsdp_utils  # noqa: E402
 import rollout  # noqa: E402
 import weight_sync  # noqa: E402
-from common import add_model_args, model_from_args  # noqa: E402
+from common import add_model_args, model_from_args, timed  # noqa: E402
 from train_grpo import init_distributed  # noqa: E402
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        npu_ops.synchronize()
-        t = time.perf_counter()
-        fn()
-        npu_ops.synchronize()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -67,9 +54,9 @@ def main() -> None:
         engine.sleep()
 
     engine.cfg.sync_by = "tensor"
-    push_s = best_time(push, args.repeats)
+    push_s = timed(push, args.repeats, min)
     engine.cfg.sync_by = "unit"
-    unit_s = best_time(push, args.repeats)
+    unit_s = timed(push, args.repeats, min)
     dtype, device = getattr(torch, args.dtype), npu_ops.local_device()
     shard = torch.tensor(sum(p.to_local().numel() for p in actor.parameters()))
     dist.all_reduce(shard, op=dist.ReduceOp.MAX)  # shards differ a little; FSDP gathers padded
@@ -84,7 +71,7 @@ def main() -> None:
         dist.all_gather_into_tensor(gathered, local)
         dst.copy_(src)
 
-    floor_s = best_time(floor, args.repeats)
+    floor_s = timed(floor, args.repeats, min)
     if rank == 0:
         print(json.dumps({
             "device": npu_ops.device_type(), "world": world, "dtype": args.dtype,
