@@ -73,11 +73,15 @@ class Replies:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
+    def message(self, reply: dict) -> dict:
+        """An environment's reply (envs.as_reply) as a chat message: role None -> env.reply_role."""
+        return {"role": reply["role"] or self.role, "content": reply["content"]}
+
     def tokens(self, message: dict, last_token: int | None) -> list[int]:
         """The tokens that follow a model turn which ended with `last_token` (its stop token;
         None for a turn cut at its length limit): the reply `message` and, with a template, the
         turn boundaries around it."""
-        message = {"role": message["role"] or self.role, "content": message["content"]}
+        message = self.message(message)
         if not self.chat:
             return self.tokenizer(message["content"], add_special_tokens=False)["input_ids"]
         head = self.render(self.prefix)
@@ -168,7 +172,7 @@ class Episodes:
                 elif reply is not None and e.turns == self.cfg.max_turns:
                     e.limited = True  # the environment would go on: the turn limit ended it
                 elif reply is not None:
-                    reply = {**reply, "role": reply["role"] or self.cfg.reply_role}
+                    reply = self.replies.message(reply)
                     ids = self.replies.tokens(reply, None if e.last.truncated
                                               else e.last.response_ids[-1])
                     room = self.cfg.max_tokens - len(e.ids) - len(ids)

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 # a zero-loss stand-in sample (any object with these fields is a sample here)
-DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False)
+DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,
+                              mask=None)
 
 # model_types whose forward takes its attention masks prepared, as a dict per layer type
 # (transformers 5.19, models/qwen2/modeling_qwen2.py and qwen3: `isinstance(causal_mask_mapping :=
@@ -164,7 +165,7 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
     if getattr(config, "model_type", None) in PREPARED_MASKS:
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
     written = torch.tensor([float(m) for s in samples
-                            for m in (getattr(s, "mask", None) or [1] * len(s.response_ids))])
+                            for m in (s.mask or [1] * len(s.response_ids))])
     return MicroBatch(inputs=inputs, rows=rows,
                       targets=torch.tensor([t for s in samples for t in s.response_ids]),
                       seq=seq, col=col, lengths=lengths,

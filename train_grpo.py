@@ -268,8 +268,9 @@ def train_step(run: Run, return_rollout: bool = False):
     run.bar.update(1)
     if cfg.log.samples_every and step % cfg.log.samples_every == 0:
         few = range(0, min(len(ro.texts), 4 * g.group_size), g.group_size)  # 4 groups' first
+        shown = completions(ro)
         run.tracker.log_samples("samples.jsonl", step, [ro.examples[i] for i in few],
-                                [completions(ro)[i] for i in few], [ro.scores[i] for i in few])
+                                [shown[i] for i in few], [ro.scores[i] for i in few])
     if cfg.log.save_every and step % cfg.log.save_every == 0:
         checkpoint.save_checkpoint(cfg.log.out_dir, step, run.actor, run.opt, run.sched,
                                    cfg.log.keep_checkpoints, extra={"drawn": run.drawn})
