@@ -17,6 +17,7 @@ import torch
 import episodes
 import grpo
 import npu_ops
+import offload
 import rewards
 
 
@@ -197,3 +198,19 @@ def validate(cfg, world_size: int) -> None:
     need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
          f"log.out_dir='{cfg.log.out_dir}' cannot be written ({existing} is not a writable "
          "directory). Fix: choose a directory you can write")
+
+
+def check_host_memory(cfg, world_size: int) -> None:
+    """BadInput if this node's ranks cannot park the actor and its Adam state (with
+    model.offload) and the reference (with grpo.kl_coef > 0) in host memory; the bytes come from
+    the model's config.json (offload.host_bytes_per_rank), not its weights."""
+    ref_dtype = getattr(torch, cfg.model.param_dtype) if cfg.grpo.kl_coef > 0 else None
+    on = offload.enabled(cfg.model.offload)
+    if not (on or ref_dtype):
+        return
+    need = offload.host_bytes_per_rank(cfg.model.path, world_size, on, ref_dtype)
+    try:
+        offload.check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                  offload.host_memory_available())
+    except ValueError as e:
+        raise BadInput(str(e)) from None

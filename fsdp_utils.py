@@ -1,6 +1,6 @@
 """The actor: build and shard it with FSDP2, its attention for packed rows, the model families
-it knows, parking it in host memory, and its optimizer and schedule. Checkpoints and the export
-are in checkpoint.py.
+it knows, and its optimizer and schedule. Parking it in host memory is offload.py's; checkpoints
+and the export are checkpoint.py's.
 
 FSDP2 idioms (after torchtitan): build on the meta device, `fully_shard` every decoder layer and
 then the root, materialise shards with `to_empty`, and fill them from one full copy read on rank 0
@@ -8,11 +8,8 @@ then the root, materialise shards with `to_empty`, and fill them from one full c
 Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
 """
 
-import itertools
 import logging
 import math
-import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import npu_ops
+import offload
 
 log = logging.getLogger("grpo")
 
@@ -154,7 +152,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
     (nothing to update, so no fp32 master copy), no gradients, and parked off the accelerator
-    (`offload`) until its forward pass."""
+    (offload.park) between its forward passes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
@@ -190,134 +188,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     if reference:
         model.requires_grad_(False)
         model.eval()
-        offload(model)
+        offload.park(model)
     return model
-
-
-# Parking a sharded model in host memory (the frozen reference between its passes; the actor and
-# its optimizer state while the engine generates). The tensors stay the same objects: only the
-# device storage behind them moves. `out` copies each storage into a host buffer and resizes the
-# storage to 0 bytes, which frees its device memory (FSDP2 frees its gathered parameters the
-# same way); `back` resizes it again and copies the bytes in. Nothing is rebuilt: a DTensor
-# rebuilt around a host copy lands on its mesh's device again (DTensor.from_local moves the local
-# tensor there), and the device would keep every byte. One storage holds a parameter's padded
-# FSDP2 shard (`_sharded_param_data`) and the local tensor that views it, so both go at once.
-# The host buffers are pinned on accelerators and kept from one move to the next. Not run on an
-# accelerator by this code yet (tests/test_gpu.py measures it there).
-
-
-def device_tensors(model: torch.nn.Module, optimizer=None) -> dict:
-    """{key: tensor} of what a park moves: each parameter's local shard, each buffer, and each
-    optimizer state tensor (Adam's moments), where it lives on the compute device. Keys are stable
-    from step to step, so that each keeps its host buffer."""
-    kind = npu_ops.device_type()
-    found = {}
-    with torch.no_grad():
-        for i, t in enumerate(itertools.chain(model.parameters(), model.buffers())):
-            found["model", i] = t.to_local() if hasattr(t, "to_local") else t
-        for i, state in enumerate(optimizer.state.values() if optimizer is not None else ()):
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    found["optim", i, k] = v.to_local() if hasattr(v, "to_local") else v
-    return {k: t for k, t in found.items() if t.device.type == kind}
-
-
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A (nbytes,) uint8 tensor over the whole of `storage`."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class HostPark:
-    """The device storage of a model's tensors (and its optimizer's state) in host buffers while
-    parked. See the comment above for how; `out` then releases the device's cached blocks."""
-
-    def __init__(self):
-        self.host = {}  # key -> uint8 host buffer, allocated at the first park, reused after
-        self.away = []  # [(storage, host buffer)] while parked
-        self.guard = None  # while parked: a forward pre-hook that refuses to run the model
-
-    def out(self, model: torch.nn.Module, optimizer=None) -> None:
-        if self.away:
-            return
-        pin = npu_ops.device_type() != "cpu"  # faster copies both ways (no pinning on CPU)
-        seen = set()
-        for key, t in device_tensors(model, optimizer).items():
-            storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, or shared (tied)
-                continue
-            seen.add(storage.data_ptr())
-            buf = self.host.get(key)
-            if buf is None or buf.numel() != storage.nbytes():
-                buf = self.host[key] = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                                   pin_memory=pin)
-            buf.copy_(_as_bytes(storage), non_blocking=pin)
-            self.away.append((storage, buf))
-        npu_ops.synchronize()  # the copies are done before the memory is given back
-        for storage, _ in self.away:
-            storage.resize_(0)
-        npu_ops.empty_cache()
-        self.guard = model.register_forward_pre_hook(_refuse_parked, prepend=True)  # before FSDP2
-
-    def back(self) -> None:
-        for storage, buf in self.away:
-            storage.resize_(buf.numel())
-            _as_bytes(storage).copy_(buf, non_blocking=buf.is_pinned())
-        self.away = []
-        if self.guard is not None:
-            self.guard.remove()
-            self.guard = None
-
-
-def _refuse_parked(module, args):
-    # a parked model's tensors own no bytes: running it would read freed memory
-    raise RuntimeError("this model is parked in host memory (fsdp_utils.offload): call "
-                       "fsdp_utils.onload(model) before running it")
-
-
-_PARKS = weakref.WeakKeyDictionary()  # model -> its HostPark (host buffers kept between parks)
-
-
-def offload(model: torch.nn.Module, optimizer=None) -> None:
-    """Park the model's device storage (and its optimizer's state) in host memory."""
-    _PARKS.setdefault(model, HostPark()).out(model, optimizer)
-
-
-def onload(model: torch.nn.Module) -> None:
-    """Bring back what `offload` parked, bit for bit, into the same tensors."""
-    if model in _PARKS:
-        _PARKS[model].back()
-
-
-class ActorSwap:
-    """The actor's parameter shards and optimizer state out of device memory while the engine
-    generates (`out`, so that the engine's KV cache can take the memory) and back before the
-    update (`back`). Gradients are None between steps. Each move is timed, and on accelerators the
-    device memory in use before and after it goes into `metrics`. Off: both do nothing."""
-
-    def __init__(self, model, optimizer, enabled: bool):
-        self.model, self.optimizer, self.enabled = model, optimizer, enabled
-        self.stats = {}
-
-    def out(self) -> None:
-        if self.enabled:
-            t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-            offload(self.model, self.optimizer)
-            self._record("switch_out", t, before)
-
-    def back(self) -> None:
-        if self.enabled:
-            t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-            onload(self.model)
-            self._record("switch_in", t, before)
-
-    def _record(self, name: str, t: float, before) -> None:
-        self.stats[f"{name}_time_s"] = time.perf_counter() - t
-        if before is not None:
-            self.stats.update({f"mem_{name}_before_gb": before,
-                               f"mem_{name}_after_gb": npu_ops.device_memory_used_gb()})
-
-    def metrics(self) -> dict:
-        return dict(self.stats)
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
@@ -337,6 +209,11 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm across shards; returns the norm before clipping, a 0-dim
-    tensor left on the device (the caller reads a step's norms back at once)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else 1e30)
+    tensor left on the parameters' device (the caller reads a step's norms back at once). With
+    no gradient at all (no rank had a token to learn from), torch's clip_grad_norm_ returns a CPU
+    zero, which the caller could not stack with the device's tensors: 0 on the device instead."""
+    params = list(model.parameters())
+    if all(p.grad is None for p in params):
+        return torch.zeros((), device=params[0].device if params else "cpu")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else 1e30)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import fsdp_utils
 import logprobs
+import offload
 import tracking
 
 
@@ -202,6 +203,13 @@ def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
                                                   seq.numel())}
 
 
+def kept_per_engine(kept: int, tp: int) -> list[int]:
+    """All-gather this engine group's count of kept groups: one entry per engine group."""
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([kept]))
+    return [int(c) for c in counts[::tp]]
+
+
 def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[int]:
     """This engine group's groups for the update: the kept ones (keep[b]), at most `target` over
     all engine groups, taken in engine-group order (kept[e]: engine group e's count)."""
@@ -315,6 +323,7 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     mean grad norm, and logprobs_time_s, the seconds of the old-policy and reference passes
     before the first optimizer step."""
     t = time.perf_counter()
+    opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
@@ -322,9 +331,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
                 else logprobs.sample_logprobs(actor, samples, g, pad_id, device, temperature))
     ref_logp = None
     if ref is not None:  # the frozen reference lives off the accelerator between its passes
-        fsdp_utils.onload(ref)
-        ref_logp = logprobs.sample_logprobs(ref, samples, g, pad_id, device, temperature)
-        fsdp_utils.offload(ref)
+        with offload.unparked(ref):
+            ref_logp = logprobs.sample_logprobs(ref, samples, g, pad_id, device, temperature)
     logprobs_time = time.perf_counter() - t
     loss_tokens, norms = 0, []
     clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)

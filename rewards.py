@@ -161,9 +161,10 @@ class Scorer:
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
         self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward")
 
-    def score(self, texts: list[str], examples: list[dict]) -> dict:
+    def score(self, texts: list[str], examples: list[dict], failed: list[bool] = ()) -> dict:
         """{"reward": weighted sum per sample, "by_name": {spec: unweighted values per sample},
-        "errors": calls that failed, "timeouts": calls cut at timeout_s}; those calls score 0."""
+        "errors": calls that failed, "timeouts": calls cut at timeout_s}; those calls score 0,
+        and so does every sample marked `failed` (an episode whose environment failed)."""
         if len(texts) != len(examples):
             raise ValueError(f"Scorer.score: {len(texts)} texts but {len(examples)} examples")
         n, nf = len(texts), len(self.specs)
@@ -171,7 +172,7 @@ class Scorer:
                                     for j in range(nf)])  # call k: sample k // nf, function k % nf
         values = [[0.0] * n for _ in range(nf)]
         for k, v in enumerate(outcomes):
-            if isinstance(v, float):
+            if isinstance(v, float) and not (failed and failed[k // nf]):
                 values[k % nf][k // nf] = v
         reward = [sum(w * vals[i] for w, vals in zip(self.weights, values)) for i in range(n)]
         return {"reward": reward, "by_name": dict(zip(self.specs, values)),

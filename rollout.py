@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 import npu_ops
+from tracking import Mean, Sum
 
 log = logging.getLogger("grpo")
 
@@ -124,6 +125,36 @@ class Rollout:
         for name in ("errors", "timeouts", "rounds", "env_errors", "env_timeouts", "env_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def completions(self) -> list:
+        """What samples.jsonl shows of each sample: its text, or an episode's conversation."""
+        return [ex.get("conversation", text) for ex, text in zip(self.examples, self.texts)]
+
+    def metrics(self, groups_trained: int, tp_rank: int, tp: int, env: bool) -> dict:
+        """The rollout's part of the step's metrics (tracking.reduce): each generated sample
+        counted once over its engine group's ranks (rank tp_rank takes every tp-th), and each
+        count of the engine group once."""
+        share = [self.samples[i] for i in range(tp_rank, len(self.samples), tp)]
+        n, first = len(share), int(tp_rank == 0)
+        response = sum(s.model_tokens for s in share)  # an episode's: the model's turns
+        m = {"reward_mean": Mean(sum(self.scores[tp_rank::tp]), n),
+             "response_len_mean": Mean(response, n),
+             "truncated_frac": Mean(sum(s.truncated for s in share), n),
+             "reward_errors": Sum(first * self.errors),
+             "reward_timeouts": Sum(first * self.timeouts),
+             "groups_constant": Sum(first * sum(self.constant)),
+             "groups_trained": Sum(first * groups_trained),
+             "samples_trained": Sum(first * len(self.trained)),
+             "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
+        if len(self.by_name) > 1:  # each reward function's mean, beside their weighted sum
+            m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)
+                      for name, v in self.by_name.items()})
+        if env:  # episodes: model turns, the environment's time (this rank's), failures, limits
+            m.update(turns_mean=Mean(sum(self.turns[tp_rank::tp]), n),
+                     env_time_s=self.env_seconds, env_errors=Sum(first * self.env_errors),
+                     env_timeouts=Sum(first * self.env_timeouts),
+                     limited_frac=Mean(sum(self.limited[tp_rank::tp]), n))
+        return m
+
 
 class Engine:
     """generate / sleep / wake / load_weights around one in-process vLLM LLM."""
@@ -191,8 +222,12 @@ class Engine:
 
         params = (sampling(0) if seed is None and max_tokens is None
                   else [sampling(i) for i in range(len(prompt_ids))])
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                 use_tqdm=False)
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                     use_tqdm=False)
+        except BaseException:  # Ctrl-C, or an error inside the engine
+            _abort_unfinished(self.llm)
+            raise
         samples = []
         for prompt, out in zip(prompt_ids, outs):
             for c in out.outputs:
@@ -212,7 +247,14 @@ class Engine:
         return [[lp[tok].logprob for tok, lp in zip(t[1:], o.prompt_logprobs[1:])]
                 for t, o in zip(token_ids, outs)]
 
+    @property
+    def awake(self) -> bool:
+        """Anything of the engine's awake (its weights, or its KV cache)."""
+        return self.weights_awake or not self.asleep
+
     def sleep(self) -> None:
+        if not self.awake:
+            return
         if self.can_sleep:
             before = npu_ops.device_memory_used_gb()
             self.llm.sleep(level=self.cfg.sleep_level)
@@ -277,6 +319,23 @@ class Engine:
                                "or the load writes into unmapped memory")
         _reload_weights_in_place(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
+
+
+def _abort_unfinished(llm) -> None:
+    """Abort the requests an interrupted generate left in the engine. LLM.generate adds every
+    request, then steps the engine until none is unfinished (vLLM 0.32
+    entrypoints/common/offline.py, _run_engine); cut in between, the rest stay queued, and the
+    next generate would return their outputs among its own. The output processor holds their
+    ids (v1/engine/output_processor.py, request_states); abort_request takes them
+    (v1/engine/llm_engine.py: as internal ids in 0.32, earlier versions take the ids alone)."""
+    engine = llm.llm_engine
+    ids = list(engine.output_processor.request_states)
+    if not ids:
+        return
+    try:
+        engine.abort_request(ids, internal=True)
+    except TypeError:
+        engine.abort_request(ids)
 
 
 def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:

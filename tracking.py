@@ -9,6 +9,7 @@ config. scripts/plot_metrics.py draws a run's metrics.jsonl.
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -29,6 +30,21 @@ class LogConfig:
     wandb_project: str = "grpo"
     run_name: str = ""  # wandb run name; empty: the last part of out_dir
     wandb_tags: list[str] = field(default_factory=list)
+
+log = logging.getLogger("grpo")
+
+
+def log_to_console(rank: int) -> logging.Handler | None:
+    """The trainer's log lines: INFO from rank 0, warnings from the others. Where the process has
+    no logging set up (a plain run), a handler of its own, returned so that close() removes it;
+    else (a notebook, an application) they go to the handlers already there, left as they are."""
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if logging.getLogger().handlers or log.handlers:
+        return None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    return handler
 
 
 class Tracker:

@@ -19,12 +19,14 @@ device-specific in npu_ops.py; config parsing and the checks that need no model 
 """
 
 import argparse
+import copy
 import dataclasses
 import logging
 import os
 import random
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import npu_ops  # first: it sets the Ascend environment before torch (and its backends) load
@@ -38,6 +40,7 @@ import data
 import episodes
 import fsdp_utils
 import grpo
+import offload
 import rewards
 import rollout
 import tiny_task
@@ -49,7 +52,7 @@ from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
 from rewards import RewardConfig
 from rollout import RolloutConfig
-from tracking import LogConfig, Mean, Sum
+from tracking import LogConfig, Mean
 
 log = logging.getLogger("grpo")
 
@@ -103,12 +106,13 @@ class Run:
     ref: torch.nn.Module = None  # the frozen reference, with grpo.kl_coef > 0
     opt: torch.optim.Optimizer = None
     sched: object = None
-    swap: fsdp_utils.ActorSwap = None  # the actor out of device memory while the engine works
+    switch: offload.Switch = None  # the actor out of device memory while the engine works
     tracker: tracking.Tracker = None
     order: torch.Tensor = None  # the shuffled data: step N draws the same prompts in every run
     step: int = 0  # steps taken
     drawn: int = 0  # prompts drawn from `order` so far, over all engine groups
     bar: object = None
+    log_handler: logging.Handler = None  # the one setup added, if the process had none
 
     def __post_init__(self):  # engine groups: consecutive ranks of rollout.tp_size (validated)
         tp = max(1, self.cfg.rollout.tp_size)
@@ -117,16 +121,27 @@ class Run:
     def close(self) -> None:
         """Stop the reward worker and the engine, and leave the process group. The actor, its
         optimizer and the reference are let go first: a sleeping engine wakes to shut down
-        cleanly, and needs their memory (rollout.Engine.shutdown)."""
-        for part in (self.bar, self.tracker, self.scorer, self.episodes):
-            if part is not None:
-                part.close()
-        self.actor = self.ref = self.opt = self.sched = self.swap = None
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
-        if dist.is_initialized():  # the engine's shutdown may already have destroyed it
-            dist.destroy_process_group()
+        cleanly, and needs their memory (rollout.Engine.shutdown). Every part is closed even if
+        another raised (the first error is raised at the end); a second call does nothing."""
+        global _OPEN
+        parts, engine = [self.bar, self.tracker, self.scorer, self.episodes], self.engine
+        self.bar = self.tracker = self.scorer = self.episodes = self.engine = None
+        self.actor = self.ref = self.opt = self.sched = self.switch = None
+        errors = []
+        stops = [p.close for p in parts if p is not None] + ([engine.shutdown] if engine else [])
+        # the engine's shutdown may already have destroyed the process group
+        for stop in stops + [lambda: dist.is_initialized() and dist.destroy_process_group()]:
+            try:
+                stop()
+            except BaseException as e:  # noqa: B036  (the rest must still close)
+                errors.append(e)
+        if self.log_handler is not None:
+            log.removeHandler(self.log_handler)
+            self.log_handler = None
+        if _OPEN is not None and _OPEN() is self:
+            _OPEN = None
+        if errors:
+            raise errors[0]
 
     def __enter__(self):
         return self
@@ -135,28 +150,39 @@ class Run:
         self.close()
 
 
+_OPEN = None  # a weak reference to the Run that setup() returned and close() has not ended
+
+
 def setup(cfg: Config) -> Run:
     """Everything a run needs: the process group (torchrun's, or a world of one), the checks that
     need no model, the data, the reward worker, the engine, the actor (and reference), the
     optimizer, the data order and the tracker; resumed from the newest checkpoint if
-    cfg.train.resume. What was built is torn down again if a later part fails."""
+    cfg.train.resume. What was built is torn down again if a later part fails. The run works on
+    a copy of `cfg` (run.cfg); one run at a time in a process (a second setup() raises)."""
     from torch.distributed.device_mesh import init_device_mesh
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    global _OPEN
+    if _OPEN is not None and _OPEN() is not None:
+        raise RuntimeError(f"setup: a run is already open in this process (log.out_dir="
+                           f"{_OPEN().cfg.log.out_dir}, step {_OPEN().step}): call its close() "
+                           "first (train_grpo.open_run() returns it)")
+    cfg = copy.deepcopy(cfg)
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
                             tp_size=cfg.rollout.tp_size)
     run = Run(cfg, *init_distributed())
+    _OPEN = weakref.ref(run)
     try:
-        logging.basicConfig(level=logging.INFO if run.rank == 0 else logging.WARNING,
-                            format="%(asctime)s %(message)s", force=True)
+        run.log_handler = tracking.log_to_console(run.rank)
         log.info("device %s, backend %s, world %d", npu_ops.device_type(),
                  npu_ops.dist_backend(), run.world)
         for name, (value, source) in env.items():
             log.info("env %s=%s (%s)", name, value, source)
         config.validate(cfg, run.world)  # the checks that need no model: BadInput, in a second
         prepare_run(cfg, run.rank)
+        config.check_host_memory(cfg, run.world)  # the parks' bytes: from config.json
         run.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         run.examples = data.load_examples(cfg.data, run.tokenizer)
         run.eval_examples = (data.load_examples(cfg.data, run.tokenizer, cfg.data.eval_split,
@@ -174,9 +200,8 @@ def setup(cfg: Config) -> Run:
         if cfg.grpo.kl_coef > 0:
             run.ref = fsdp_utils.build_actor(cfg.model, mesh, reference=True)
         run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
-        offload = {"on": True, "off": False}.get(cfg.model.offload,
-                                                 npu_ops.engine_supports_sleep())
-        run.swap = fsdp_utils.ActorSwap(run.actor, run.opt, enabled=offload)
+        run.switch = offload.Switch(run.actor, run.opt, run.engine,
+                                    enabled=offload.enabled(cfg.model.offload))
         ckpt = checkpoint.latest_checkpoint(cfg.log.out_dir) if cfg.train.resume else None
         if ckpt:
             state = checkpoint.load_checkpoint(ckpt, run.actor, run.opt, run.sched)
@@ -190,8 +215,16 @@ def setup(cfg: Config) -> Run:
                        desc="steps", file=sys.stdout)
         return run
     except BaseException:
-        run.close()
+        try:
+            run.close()
+        except BaseException:  # noqa: B036  (the error that stopped setup is the one to see)
+            pass
         raise
+
+
+def open_run() -> Run | None:
+    """The run setup() returned that is not closed yet, if any."""
+    return _OPEN() if _OPEN is not None else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,34 +239,39 @@ def train_step(run: Run, return_rollout: bool = False):
     npu_ops.reset_peak_memory()
     # 1) rollout: the actor's weights into the engine (wake weights -> load -> wake KV cache),
     #    then G samples (episodes, with an environment) for each of this engine group's next
-    #    prompts, in rounds: one, unless dynamic sampling (DAPO) draws fresh prompts to refill
-    sync = weight_sync.push(run.actor, run.engine, before_kv_cache=run.swap.out)
-    ro, times = rollout.Rollout(), {"gen": 0.0, "reward": 0.0, "sync": sync["seconds"]}
-    while True:
-        batch = draw_prompts(run)
-        seed = (random.Random(f"{cfg.rollout.seed}/{step}/{run.engine_idx}/{ro.rounds + 1}")
-                .getrandbits(48) if cfg.rollout.seed_per_step else None)
+    #    prompts, in rounds: one, unless dynamic sampling (DAPO) draws fresh prompts to refill.
+    #    The engine's turn is guarded: leaving it, whatever raised (a reward, Ctrl-C), the engine
+    #    sleeps and the actor and its optimizer state are back (offload.Switch); the data position
+    #    moves only when the step is done, so that a step run again draws the same prompts
+    drawn = run.drawn
+    with run.switch.engine_turn():
+        sync = weight_sync.push(run.actor, run.engine, before_weights=run.switch.optimizer_out,
+                                before_kv_cache=run.switch.actor_out)
+        ro, times = rollout.Rollout(), {"gen": 0.0, "reward": 0.0, "sync": sync["seconds"]}
+        while True:
+            batch, drawn = draw_prompts(run, drawn)
+            seed = (random.Random(f"{cfg.rollout.seed}/{step}/{run.engine_idx}/{ro.rounds + 1}")
+                    .getrandbits(48) if cfg.rollout.seed_per_step else None)
+            t = time.perf_counter()
+            generated = run.episodes.run(run.engine, batch, g.group_size, seed=seed)
+            times["gen"] += time.perf_counter() - t
+            # 2) reward: scores, shaped (overlong penalty) into advantages within each group;
+            #    with dynamic sampling, the groups whose rewards are all equal are dropped
+            t = time.perf_counter()
+            ro.extend(score(run, generated))
+            times["reward"] += time.perf_counter() - t
+            kept = grpo.kept_per_engine(sum(ro.keep), tp)  # groups, one entry per engine group
+            if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
+                    or ro.rounds == g.max_gen_rounds):
+                break
         t = time.perf_counter()
-        generated = run.episodes.run(run.engine, batch, g.group_size, seed=seed)
-        times["gen"] += time.perf_counter() - t
-        # 2) reward: scores, shaped (overlong penalty) into advantages within each group; with
-        #    dynamic sampling, the groups whose rewards are all equal are dropped
-        t = time.perf_counter()
-        ro.extend(score(run, generated))
-        times["reward"] += time.perf_counter() - t
-        kept = kept_per_engine(sum(ro.keep), tp)  # groups, one entry per engine group
-        if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
-                or ro.rounds == g.max_gen_rounds):
-            break
-    t = time.perf_counter()
-    run.engine.sleep()  # frees weights + KV cache where the platform can
-    times["sleep"] = time.perf_counter() - t
+        run.engine.sleep()  # frees weights + KV cache where the platform can
+        times["sleep"] = time.perf_counter() - t
     groups = grpo.take_groups(ro.keep, kept, run.engine_idx, g.prompts_per_step)
     ro.trained = [b * g.group_size + j for b in groups for j in range(g.group_size)
                   if not (g.overlong == "mask" and ro.samples[b * g.group_size + j].truncated)]
 
     # 3) update: this rank trains on its 1/tp share of the kept samples
-    run.swap.back()  # the actor's parameters and optimizer state, if they were moved out
     t = time.perf_counter()
     mine = ro.trained[run.tp_rank::tp]
     update = grpo.train_on_rollout(
@@ -243,6 +281,7 @@ def train_step(run: Run, return_rollout: bool = False):
         grad_clip=cfg.optim.grad_clip,
         seed=random.Random(f"{cfg.train.seed}/{step}/{run.rank}").getrandbits(48))
     run.sched.step()
+    run.drawn = drawn
     times["logprobs"] = update.pop("logprobs_time_s")  # the old-policy and reference passes
     times["train"] = time.perf_counter() - t - times["logprobs"]
     times["step"] = time.perf_counter() - t_step
@@ -250,17 +289,17 @@ def train_step(run: Run, return_rollout: bool = False):
 
     # 4) log: the step's metrics over all ranks; eval and checkpoints on their schedule
     metrics = tracking.reduce({
-        "step": step, **rollout_metrics(ro, len(groups), run.tp_rank, tp, bool(cfg.env.name)),
+        "step": step, **ro.metrics(len(groups), run.tp_rank, tp, bool(cfg.env.name)),
         **update,
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "sync_gb": sync["bytes"] / 2**30,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
         **{f"{k}_time_s": v for k, v in times.items()}, **run.engine.memory_metrics(),
-        **run.swap.metrics()})
+        **run.switch.metrics()})
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step"]
     if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.steps):
-        scores, rows = evaluate(run.engine, run.actor, run.eval_examples, run.scorer,
-                                run.episodes, run.engine_idx, run.n_engines, cfg.log.eval_k)
+        scores, rows = evaluate(run.switch, run.eval_examples, run.scorer, run.episodes,
+                                run.engine_idx, run.n_engines, cfg.log.eval_k)
         metrics.update(scores)
         run.tracker.log_samples("eval_samples.jsonl", step,
                                 *(r[:cfg.log.eval_examples] for r in rows))
@@ -268,7 +307,7 @@ def train_step(run: Run, return_rollout: bool = False):
     run.bar.update(1)
     if cfg.log.samples_every and step % cfg.log.samples_every == 0:
         few = range(0, min(len(ro.texts), 4 * g.group_size), g.group_size)  # 4 groups' first
-        shown = completions(ro)
+        shown = ro.completions()
         run.tracker.log_samples("samples.jsonl", step, [ro.examples[i] for i in few],
                                 [shown[i] for i in few], [ro.scores[i] for i in few])
     if cfg.log.save_every and step % cfg.log.save_every == 0:
@@ -289,13 +328,14 @@ def train(cfg: Config) -> dict:
     return metrics
 
 
-def draw_prompts(run: Run) -> list[dict]:
-    """This engine group's next prompts (the same on each of its ranks), from the shuffled data;
-    every engine group draws its own slice of the step's prompts_per_step."""
+def draw_prompts(run: Run, drawn: int) -> tuple[list[dict], int]:
+    """This engine group's next prompts (the same on each of its ranks) from the shuffled data,
+    `drawn` prompts in; every engine group draws its own slice of the step's prompts_per_step.
+    Returns them and the position after the step's."""
     per_engine = run.cfg.grpo.prompts_per_step // run.n_engines
-    start = run.drawn + run.engine_idx * per_engine
-    run.drawn += run.cfg.grpo.prompts_per_step
-    return [run.examples[run.order[(start + i) % len(run.examples)]] for i in range(per_engine)]
+    start = drawn + run.engine_idx * per_engine
+    batch = [run.examples[run.order[(start + i) % len(run.examples)]] for i in range(per_engine)]
+    return batch, drawn + run.cfg.grpo.prompts_per_step
 
 
 def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
@@ -303,7 +343,7 @@ def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
     shaped (overlong penalty) into advantages within each group of G. Every rank of an engine
     group gets the same."""
     g, G = run.cfg.grpo, run.cfg.grpo.group_size
-    out = judge(run.scorer, ro)
+    out = run.scorer.score(ro.texts, ro.examples, ro.failed)
     ro.scores, ro.by_name = out["reward"], out["by_name"]
     shaped = torch.tensor(ro.scores, dtype=torch.float64)  # (B*G,)
     if g.overlong == "penalty":  # an episode's length: all after its prompt, against its limit
@@ -318,54 +358,25 @@ def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
     return ro
 
 
-def kept_per_engine(kept: int, tp: int) -> list[int]:
-    """All-gather this engine group's count of kept groups: one entry per engine group."""
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([kept]))
-    return [int(c) for c in counts[::tp]]
-
-
-def rollout_metrics(ro: rollout.Rollout, groups_trained: int, tp_rank: int, tp: int,
-                    env: bool) -> dict:
-    """The rollout's part of the step's metrics (tracking.reduce): each generated sample counted
-    once over its engine group's ranks (rank tp_rank takes every tp-th), and each count of the
-    engine group once."""
-    share = [ro.samples[i] for i in range(tp_rank, len(ro.samples), tp)]
-    n, first = len(share), int(tp_rank == 0)
-    response = sum(s.model_tokens for s in share)  # an episode's: the model's turns
-    m = {"reward_mean": Mean(sum(ro.scores[tp_rank::tp]), n),
-         "response_len_mean": Mean(response, n),
-         "truncated_frac": Mean(sum(s.truncated for s in share), n),
-         "reward_errors": Sum(first * ro.errors), "reward_timeouts": Sum(first * ro.timeouts),
-         "groups_constant": Sum(first * sum(ro.constant)),
-         "groups_trained": Sum(first * groups_trained),
-         "samples_trained": Sum(first * len(ro.trained)),
-         "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
-    if len(ro.by_name) > 1:  # each reward function's mean, beside their weighted sum
-        m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)
-                  for name, v in ro.by_name.items()})
-    if env:  # episodes: model turns, the environment's time (this rank's), failures and limits
-        m.update(turns_mean=Mean(sum(ro.turns[tp_rank::tp]), n), env_time_s=ro.env_seconds,
-                 env_errors=Sum(first * ro.env_errors), env_timeouts=Sum(first * ro.env_timeouts),
-                 limited_frac=Mean(sum(ro.limited[tp_rank::tp]), n))
-    return m
-
-
 @torch.no_grad()
-def evaluate(engine, actor, examples, scorer, eps, engine_idx, n_engines, k: int = 0):
+def evaluate(switch, examples, scorer, eps, engine_idx, n_engines, k: int = 0):
     """Greedy pass@1 (the mean reward of one greedy completion, or episode, per example) and,
     with k > 0, mean@k (the mean reward of k at the rollout temperature) over all examples,
     each engine group taking a slice; `eps` runs them (episodes.Episodes). Returns
     ({"eval_pass1": .., "eval_mean_at_k": ..}, (examples, greedy completions, their rewards))
-    of this rank's slice. The engine holds the weights of this step's rollout: the update since
-    then is synced first."""
-    weight_sync.push(actor, engine)
-    part = examples[engine_idx::n_engines]
-    greedy = eps.run(engine, part, 1, greedy=True)
-    if k:
-        greedy.extend(eps.run(engine, part, k))
-    engine.sleep()
-    scores = judge(scorer, greedy)["reward"]
+    of this rank's slice. The engine (switch.engine) holds the weights of this step's rollout:
+    the update since then is synced first, in a turn of the engine guarded as a rollout's is
+    (offload.Switch: the actor and its optimizer state out of device memory meanwhile)."""
+    engine = switch.engine
+    with switch.engine_turn():
+        weight_sync.push(switch.actor, engine, before_weights=switch.optimizer_out,
+                         before_kv_cache=switch.actor_out)
+        part = examples[engine_idx::n_engines]
+        greedy = eps.run(engine, part, 1, greedy=True)
+        if k:
+            greedy.extend(eps.run(engine, part, k))
+        engine.sleep()
+    scores = scorer.score(greedy.texts, greedy.examples, greedy.failed)["reward"]
     # every rank of a tensor-parallel group holds the same scores: count only its first rank
     first = dist.get_rank() % (dist.get_world_size() // n_engines) == 0
     n = len(part)
@@ -373,21 +384,7 @@ def evaluate(engine, actor, examples, scorer, eps, engine_idx, n_engines, k: int
                            "eval_mean_at_k": Mean(sum(scores[n:]) * first, n * k * first)})
     if not k:
         del out["eval_mean_at_k"]
-    return out, (part, completions(greedy)[:n], scores[:n])
-
-
-def judge(scorer, ro: rollout.Rollout) -> dict:
-    """The reward functions' scores of a rollout's samples (rewards.Scorer.score), 0 for an
-    episode whose environment failed."""
-    out = scorer.score(ro.texts, ro.examples)
-    zero = lambda values: [0.0 if failed else v for v, failed in zip(values, ro.failed)]  # noqa
-    return {**out, "reward": zero(out["reward"]),
-            "by_name": {name: zero(v) for name, v in out["by_name"].items()}}
-
-
-def completions(ro: rollout.Rollout) -> list:
-    """What samples.jsonl shows of each sample: its text, or an episode's whole conversation."""
-    return [ex.get("conversation", text) for ex, text in zip(ro.examples, ro.texts)]
+    return out, (part, greedy.completions()[:n], scores[:n])
 
 
 def prepare_run(cfg: Config, rank: int) -> None:

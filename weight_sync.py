@@ -96,22 +96,26 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
 
 
 @torch.no_grad()
-def push(model: torch.nn.Module, engine, before_kv_cache=None) -> dict:
+def push(model: torch.nn.Module, engine, before_weights=None, before_kv_cache=None) -> dict:
     """Wake the engine's weights, stream the actor into them, then wake its KV cache.
 
-    Order: weights -> load -> KV cache (see rollout.py). `before_kv_cache` runs between the load
-    and the KV cache's wake: the loop moves the actor out of device memory there, so that the KV
-    cache can take it. Returns {"bytes": sent, "seconds": s}, the seconds without that call.
+    Order: weights -> load -> KV cache (see rollout.py). The two callbacks run just before the
+    weights wake and between the load and the KV cache's wake: the loop moves the optimizer
+    state, then the actor, out of device memory there (offload.Switch), so that each wake finds
+    the memory it needs. Returns {"bytes": sent, "seconds": s}, the seconds without the calls.
     """
     t0 = time.perf_counter()
     stats = {"bytes": 0}
     dtype = getattr(torch, engine.cfg.dtype)
-    engine.wake(["weights"])
-    engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit"))
-    if before_kv_cache is not None:
-        t = time.perf_counter()
-        before_kv_cache()
-        t0 += time.perf_counter() - t
-    engine.wake(["kv_cache"])
+    for when in ("weights", "kv_cache"):
+        call = before_weights if when == "weights" else before_kv_cache
+        if call is not None:
+            t = time.perf_counter()
+            call()
+            t0 += time.perf_counter() - t
+        engine.wake([when])
+        if when == "weights":
+            engine.load_weights(iter_full_params(model, dtype, stats,
+                                                 engine.cfg.sync_by == "unit"))
     npu_ops.synchronize()
     return {"bytes": stats["bytes"], "seconds": time.perf_counter() - t0}

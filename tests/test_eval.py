@@ -3,6 +3,7 @@
 import torch.distributed as dist
 
 import episodes
+import offload
 import rewards
 import tiny_task
 from rollout import RolloutConfig, Sample
@@ -15,16 +16,18 @@ class ScriptedEngine:
 
     def __init__(self, greedy, sampled):
         self.cfg, self.greedy, self.sampled = RolloutConfig(dtype="float32"), greedy, sampled
-        self.calls = []
+        self.calls, self.awake = [], False
 
     def wake(self, tags):
         self.calls.append(("wake", tuple(tags)))
+        self.awake = True
 
     def load_weights(self, pairs):
         self.calls.append(("load_weights", sum(1 for _ in pairs)))
 
     def sleep(self):
         self.calls.append(("sleep",))
+        self.awake = False
 
     def generate(self, prompt_ids, n, greedy=False, seed=None):
         answers = [[a] for a in self.greedy] if greedy else self.sampled
@@ -49,8 +52,9 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
         actor = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
         one_turn = episodes.Episodes(episodes.EnvConfig(), BytesTokenizer(), False, "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
-            scores, (part, texts, per_example) = evaluate(engine, actor, examples, scorer,
-                                                          one_turn, 0, 1, k=3)
+            switch = offload.Switch(actor, None, engine, enabled=False)
+            scores, (part, texts, per_example) = evaluate(switch, examples, scorer, one_turn, 0,
+                                                          1, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after

@@ -12,6 +12,7 @@ def test_sharded_equals_unsharded(tiny_models, arch, reshard, ckpt):
     assert out.count("FSDP_PARITY_OK") == 2
 
 
-def test_offload_round_trip_is_exact(tiny_models):
-    out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"]])
+@pytest.mark.parametrize("reshard", ["1", "0"], ids=["zero3", "zero2"])
+def test_offload_round_trip_is_exact(tiny_models, reshard):
+    out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"], reshard])
     assert out.count("OFFLOAD_PARITY_OK") == 2, out[-3000:]

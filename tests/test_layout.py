@@ -13,14 +13,16 @@ from conftest import ROOT
 ALLOWED = {
     "npu_ops": set(), "plugins": set(), "rewards": {"plugins"}, "tiny_task": set(),
     "data": {"config"}, "tracking": set(),
-    "fsdp_utils": {"npu_ops"}, "checkpoint": {"npu_ops"}, "rollout": {"npu_ops"},
+    "offload": {"npu_ops"},  # the actor parked in host memory, the guarded switch
+    "fsdp_utils": {"npu_ops", "offload"}, "checkpoint": {"npu_ops"},
+    "rollout": {"npu_ops", "tracking"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer
-    "grpo": {"fsdp_utils", "logprobs", "tracking"},  # the algorithm: nothing of engines or files
+    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking"},  # the algorithm: nothing of engines or files
     "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout"},
-    "config": {"npu_ops", "rewards", "grpo", "episodes"},
+    "config": {"npu_ops", "offload", "rewards", "grpo", "episodes"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
-                   "weight_sync", "grpo", "config", "data", "tracking", "episodes"},
+                   "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload"},
 }
 
 
@@ -72,6 +74,7 @@ def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
             "import grpo, config, tracking, checkpoint, data, plugins, envs, episodes, logprobs\n"
+            "import offload\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

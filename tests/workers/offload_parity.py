@@ -1,19 +1,22 @@
-"""2 ranks: parking the FSDP2 actor and its optimizer state in host memory (ActorSwap) frees
-their storage, and bringing them back restores both bit for bit; training goes on exactly as
-without it.
+"""2 ranks: parking the FSDP2 actor and its optimizer state in host memory (offload.Switch)
+frees their storage, and bringing them back restores both bit for bit; training, with a KL term
+to a frozen reference that is parked between its passes, goes on exactly as without the switch.
 
 On CPU host and device memory are one, so `.device` cannot tell where a tensor's bytes are. What
-the test checks instead holds on every platform: after `out` (and a garbage collection), every
-tensor the actor and its optimizer hold (FSDP2's padded shard storage included) is the same
-object as before and owns 0 bytes, no other live tensor keeps one of the pre-switch storages
-alive with bytes in it, nothing was rebuilt (a DTensor rebuilt from a host copy lands on its
-mesh's device: that defect freed nothing on a GPU), and the bytes sit in host buffers that are
-reused from one switch to the next; a change made to a host buffer comes back with `back`.
-Usage: torchrun --nproc_per_node 2 tests/workers/offload_parity.py MODEL_DIR
+the test checks instead holds on every platform: while parked (and after a garbage collection),
+every tensor the actor, its optimizer and the reference hold (FSDP2's padded shard storage
+included) is the same object as before and owns 0 bytes, no other live tensor keeps one of the
+pre-switch storages alive with bytes in it, nothing was rebuilt (a DTensor rebuilt from a host copy
+lands on its mesh's device: that defect freed nothing on a GPU), the host arenas hold exactly the
+parked bytes and are allocated once, and a change made to a host buffer comes back with the
+switch. With reshard_after_forward=false (argv[2] = 0) the reference's no-grad forward leaves its
+units gathered: the park must still leave its shards with 0 bytes.
+Usage: torchrun --nproc_per_node 2 tests/workers/offload_parity.py MODEL_DIR RESHARD(1|0)
 """
 
 import gc
 import sys
+import types
 import weakref
 
 import torch
@@ -24,18 +27,21 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_utils
 import grpo
+import offload
 from rollout import Sample
 from train_grpo import init_distributed
 
-model_dir = sys.argv[1]
+model_dir, reshard = sys.argv[1], sys.argv[2] == "1"
 rank, world = init_distributed()
 mesh = init_device_mesh("cpu", (world,))
-mc = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32")
+mc = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32", reshard_after_forward=reshard)
 oc = fsdp_utils.OptimConfig(lr=1e-2, weight_decay=0.01)
-actors = [fsdp_utils.build_actor(mc, mesh) for _ in range(2)]  # [swapped, plain], same weights
+actors = [fsdp_utils.build_actor(mc, mesh) for _ in range(2)]  # [switched, plain], same weights
+refs = [fsdp_utils.build_actor(mc, mesh, reference=True) for _ in range(2)]
 opts = [fsdp_utils.build_optimizer(oc, a, 10)[0] for a in actors]
-swap = fsdp_utils.ActorSwap(actors[0], opts[0], enabled=True)
-g = grpo.GRPOConfig(is_correction="none", micro_batch_tokens=32)
+engine = types.SimpleNamespace(awake=False, sleep=lambda: None)  # the switch's engine: idle
+switch = offload.Switch(actors[0], opts[0], engine, enabled=True)
+g = grpo.GRPOConfig(is_correction="none", micro_batch_tokens=32, kl_coef=0.1)
 
 
 def local(t):
@@ -43,18 +49,18 @@ def local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def tensors(actor, opt):
+def tensors(actor, opt=None):
     """Every shard (local part), buffer and optimizer state tensor, in a fixed order."""
     out = [local(p) for p in actor.parameters()] + list(actor.buffers())
-    for state in opt.state.values():
+    for state in opt.state.values() if opt is not None else ():
         out += [local(v) for v in state.values() if torch.is_tensor(v)]
     return out
 
 
-def fsdp_internal(actor):
+def fsdp_internal(model):
     """FSDP2's own references to each shard: the padded flat storage and the registered one."""
     out = []
-    for m in actor.modules():
+    for m in model.modules():
         if isinstance(m, FSDPModule):
             group = m._get_fsdp_state()._fsdp_param_group
             for fp in group.fsdp_params if group else ():
@@ -62,67 +68,78 @@ def fsdp_internal(actor):
     return out
 
 
-def train_step(actor, opt, step):
+def train_step(actor, ref, opt, step):
     gen = torch.Generator().manual_seed(100 + step)
     samples = [Sample(torch.randint(3, 15, (4,), generator=gen).tolist(),
                       torch.randint(3, 15, (3 + i,), generator=gen).tolist(), [0.0] * (3 + i),
                       False) for i in range(4)]
     mine = list(range(rank, 4, world))
     adv = torch.randn(4, generator=gen)
-    grpo.accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, g, 0,
-                              "cpu", 1.0, 8)
-    fsdp_utils.clip_grad_norm(actor, 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    grpo.train_on_rollout(actor, ref, opt, [samples[i] for i in mine], adv[mine], g, pad_id=0,
+                          device="cpu", seed=step, temperature=1.0, max_len=8, grad_clip=1.0)
+
+
+def owns_nothing(held) -> bool:
+    return all(t.untyped_storage().nbytes() == 0 for t in held)
 
 
 rebuilt = []  # a spy: any DTensor rebuilt from a local tensor during a switch
 from_local = DTensor.from_local
 DTensor.from_local = staticmethod(lambda *a, **k: rebuilt.append(a) or from_local(*a, **k))
-host_ptrs = {}
+host_ptrs = None
 for step in range(4):
+    # the reference is parked between its passes, whatever its units' state after them
+    assert owns_nothing(tensors(refs[0]) + fsdp_internal(refs[0])), "the reference holds bytes"
     if step > 0:  # the optimizer has state from the first step on
         held = tensors(actors[0], opts[0]) + fsdp_internal(actors[0])
         before = [t.clone() for t in held]
         storages = [weakref.ref(t.untyped_storage()) for t in held if t.numel()]
         pre_bytes = sum({id(s()): s().nbytes() for s in storages}.values())
         assert len(held) > 0 and pre_bytes > 0
-        swap.out()
-        gc.collect()
-        assert not rebuilt, "out rebuilt a tensor"
-        after = tensors(actors[0], opts[0]) + fsdp_internal(actors[0])
-        assert all(a is b for a, b in zip(after, held)), "out replaced a tensor"
-        assert all(t.untyped_storage().nbytes() == 0 for t in after), "out left bytes behind"
-        alive = {id(s()): s() for s in storages if s() is not None}
-        leaks = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)
-                 and not isinstance(o, DTensor) and not o.is_meta
-                 and id(o.untyped_storage()) in alive and o.untyped_storage().nbytes() > 0]
-        assert not leaks, f"{len(leaks)} live tensors still hold pre-switch storage"
-        park = fsdp_utils._PARKS[actors[0]]
-        ptrs = {k: b.data_ptr() for k, b in park.host.items()}
-        assert all(b.device.type == "cpu" for b in park.host.values())
-        assert all(ptrs[k] == p for k, p in host_ptrs.items()), "host buffers reallocated"
-        host_ptrs = ptrs
-        assert sum(b.numel() for _, b in park.away) == pre_bytes  # every byte, once
-        if step == 2:  # what comes back is the host buffer: a change to it must come back
-            storage, buf = park.away[0]
-            assert storage is held[0].untyped_storage()  # the first shard views it from byte 0
-            buf[:held[0].numel() * held[0].element_size()].view(torch.float32).fill_(7.0)
-        swap.back()
+        with switch.engine_turn():
+            switch.optimizer_out()
+            switch.actor_out()
+            gc.collect()
+            assert not rebuilt, "out rebuilt a tensor"
+            after = tensors(actors[0], opts[0]) + fsdp_internal(actors[0])
+            assert all(a is b for a, b in zip(after, held)), "out replaced a tensor"
+            assert owns_nothing(after), "out left bytes behind"
+            alive = {id(s()): s() for s in storages if s() is not None}
+            leaks = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)
+                     and not isinstance(o, DTensor) and not o.is_meta
+                     and id(o.untyped_storage()) in alive and o.untyped_storage().nbytes() > 0]
+            assert not leaks, f"{len(leaks)} live tensors still hold pre-switch storage"
+            parks = (switch.params, switch.state)
+            chunks = [c for p in parks for c in p.arena.chunks]
+            assert all(c.device.type == "cpu" for c in chunks)
+            ptrs = [c.data_ptr() for c in chunks]
+            assert host_ptrs in (None, ptrs), "host memory allocated again"
+            assert [p.allocations for p in parks] == [1, 1]
+            host_ptrs = ptrs
+            # every byte, once, in host memory of exactly that size
+            assert sum(p.parked_bytes for p in parks) == pre_bytes
+            assert sum(c.numel() for c in chunks) == pre_bytes, (sum(map(len, chunks)), pre_bytes)
+            if step == 2:  # what comes back is the host memory: a change to it must come back
+                storage, offset = switch.params.away[0]
+                assert storage is held[0].untyped_storage() and offset == 0
+                n = held[0].numel() * held[0].element_size()
+                switch.params.arena.chunks[0][:n].view(torch.float32).fill_(7.0)
         assert not rebuilt, "back rebuilt a tensor"
         back = tensors(actors[0], opts[0]) + fsdp_internal(actors[0])
         assert all(a is b for a, b in zip(back, held)), "back replaced a tensor"
         if step == 2:
-            assert bool((back[0] == 7.0).all()), "back did not return the host buffer"
+            assert bool((back[0] == 7.0).all()), "back did not return the host memory"
             with torch.no_grad():  # the saved bits again, exactly
                 back[0].copy_(before[0])
         assert all(torch.equal(a, b) for a, b in zip(back, before)), "back changed a value"
-        assert {"switch_out_time_s", "switch_in_time_s"} <= set(swap.metrics())
-    for actor, opt in zip(actors, opts):
-        train_step(actor, opt, step)
+    for actor, ref, opt in zip(actors, refs, opts):
+        train_step(actor, ref, opt, step)
     same = all(torch.equal(a, b) for a, b in zip(tensors(actors[0], opts[0]),
                                                  tensors(actors[1], opts[1])))
-    print(f"rank {rank} step {step}: swapped == plain bit for bit: {same}", flush=True)
+    print(f"rank {rank} step {step}: switched == plain bit for bit: {same}", flush=True)
     assert same
+# the reference's host memory too: allocated at its first park, reused over every step since
+assert offload._PARKS[refs[0]].allocations == 1, offload._PARKS[refs[0]].allocations
+assert offload._PARKS[refs[0]].host_bytes == offload._PARKS[refs[0]].parked_bytes > 0
 dist.destroy_process_group()
 print("OFFLOAD_PARITY_OK")

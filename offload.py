@@ -1,0 +1,302 @@
+"""Device memory handed between the actor and the engine: parking a sharded model (and its
+optimizer state) in host memory, and the switch that does it around the engine's turn as one
+guarded step.
+
+Parking. The tensors stay the same objects: only the device storage behind them moves. `out`
+copies each storage into host memory and resizes the storage to 0 bytes, which frees its device
+memory (FSDP2 frees its gathered parameters the same way); `back` resizes it again and copies the
+bytes in. Nothing is rebuilt: a DTensor rebuilt around a host copy lands on its mesh's device
+again (DTensor.from_local moves the local tensor there), and the device would keep every byte.
+One storage holds a parameter's padded FSDP2 shard (`_sharded_param_data`) and the local tensor
+that views it, so both go at once. Every FSDP2 unit is resharded first: a unit left gathered
+(a no-grad forward under reshard_after_forward=False, a push cut in the middle) would otherwise
+park its gathered copy and leave the shard on the device.
+
+Host memory. A park's bytes go into one arena, allocated at the first park and reused after:
+pinned chunks (on accelerators) whose sizes are the powers of two of the total's binary
+expansion, so that they add up to exactly the parked bytes. The accelerators' pinned host
+allocators round each block up to a power of two (torch 2.13 ATen/core/CachingHostAllocator.h,
+allocate: PowerOf2Ceil; the Ascend backend's host allocator does the same), so a buffer per
+tensor, or one buffer for all, can take up to twice the memory; a power of two is not rounded. Tensors are laid end to end and may straddle two chunks.
+
+The switch (`Switch.engine_turn`, a context). Inside it the loop pushes the weights and lets the
+engine work; the optimizer state leaves the device before the engine's weights wake, the
+parameters after the load and before the KV cache wakes (weight_sync.push's two callbacks).
+Whatever raises inside (an error in a reward, Ctrl-C during generation), leaving it puts the
+engine to sleep, reshards any unit a cut push left gathered, and brings everything back, so the
+next step starts from a state it can use.
+
+Not run on an accelerator by this code yet (tests/test_gpu.py measures it there).
+"""
+
+import contextlib
+import itertools
+import logging
+import time
+import weakref
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+import npu_ops
+
+log = logging.getLogger("grpo")
+
+
+def device_tensors(model: torch.nn.Module | None, optimizer=None) -> dict:
+    """{key: tensor} of what a park moves: each parameter's local shard and each buffer (of
+    `model`), each optimizer state tensor (Adam's moments), where it lives on the compute
+    device. Keys are stable from step to step."""
+    kind = npu_ops.device_type()
+    found = {}
+    with torch.no_grad():
+        if model is not None:
+            for i, t in enumerate(itertools.chain(model.parameters(), model.buffers())):
+                found["model", i] = t.to_local() if hasattr(t, "to_local") else t
+        for i, state in enumerate(optimizer.state.values() if optimizer is not None else ()):
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    found["optim", i, k] = v.to_local() if hasattr(v, "to_local") else v
+    return {k: t for k, t in found.items() if t.device.type == kind}
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of `model` back to its shards (a no-op for one that is sharded)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A (nbytes,) uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def power_of_two_parts(n: int) -> list[int]:
+    """The powers of two that add up to n, largest first: 13 -> [8, 4, 1]."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+
+
+class HostArena:
+    """`nbytes` of host memory as chunks of power-of-two sizes that add up to exactly nbytes,
+    pinned on accelerators. `pieces(offset, n)` maps a byte range onto them."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.chunks = [torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+                       for size in power_of_two_parts(nbytes)]
+        self.starts = list(itertools.accumulate([0] + [c.numel() for c in self.chunks]))
+        self.nbytes = nbytes
+
+    def pieces(self, offset: int, n: int):
+        """(chunk slice, start within the range) for the bytes [offset, offset + n)."""
+        end = offset + n
+        for chunk, start in zip(self.chunks, self.starts):
+            lo, hi = max(offset, start), min(end, start + chunk.numel())
+            if lo < hi:
+                yield chunk[lo - start:hi - start], lo - offset
+
+
+class HostPark:
+    """A model's device storage (and its optimizer's state) parked in a host arena; see the
+    module's docstring. `out` then releases the device's cached blocks."""
+
+    def __init__(self):
+        self.arena = None  # allocated at the first park, reused while the layout is the same
+        self.layout = None  # (storage bytes, ...) of the park the arena was made for
+        self.allocations = 0  # arenas made (1 in a healthy run)
+        self.away = []  # [(storage, offset)] while parked
+        self.guard = None  # while parked: a forward pre-hook that refuses to run the model
+
+    def out(self, model: torch.nn.Module | None, optimizer=None) -> None:
+        if self.away:
+            return
+        if model is not None:
+            reshard(model)
+        storages, seen = [], set()
+        for t in device_tensors(model, optimizer).values():
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, or shared (tied)
+                continue
+            seen.add(storage.data_ptr())
+            storages.append(storage)
+        layout = tuple(s.nbytes() for s in storages)
+        pin = npu_ops.device_type() != "cpu"  # faster copies both ways (no pinning on CPU)
+        if layout != self.layout:
+            if self.layout is not None:
+                log.warning("offload: the parked tensors changed size (%d -> %d bytes): host "
+                            "memory allocated again", sum(self.layout), sum(layout))
+            self.arena, self.layout = None, None  # the old arena goes before the new one comes
+            self.arena, self.layout = HostArena(sum(layout), pin), layout
+            self.allocations += 1
+        offsets = itertools.accumulate((0,) + layout)
+        away = list(zip(storages, offsets))
+        for storage, offset in away:
+            src = _as_bytes(storage)
+            for piece, at in self.arena.pieces(offset, storage.nbytes()):
+                piece.copy_(src[at:at + piece.numel()], non_blocking=pin)
+        npu_ops.synchronize()  # the copies are done before the memory is given back
+        self.away = away  # from here `back` restores whatever the loop below got to
+        for storage, _ in away:
+            storage.resize_(0)
+        npu_ops.empty_cache()
+        if model is not None:
+            self.guard = model.register_forward_pre_hook(_refuse_parked, prepend=True)
+
+    def back(self) -> None:
+        pin = npu_ops.device_type() != "cpu"
+        for (storage, offset), n in zip(self.away, self.layout):  # a storage not yet resized
+            #   (an interrupted `out`) is written with the bytes it still holds
+            if storage.nbytes() != n:
+                storage.resize_(n)
+            dst = _as_bytes(storage)
+            for piece, at in self.arena.pieces(offset, n):
+                dst[at:at + piece.numel()].copy_(piece, non_blocking=pin)
+        npu_ops.synchronize()  # the host bytes may be overwritten by the next park
+        self.away = []
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(self.layout) if self.away else 0
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.numel() for c in self.arena.chunks) if self.arena is not None else 0
+
+
+def _refuse_parked(module, args):
+    # a parked model's tensors own no bytes: running it would read freed memory
+    raise RuntimeError("this model is parked in host memory (offload.park): call "
+                       "offload.unpark(model) before running it")
+
+
+_PARKS = weakref.WeakKeyDictionary()  # model -> its HostPark (host memory kept between parks)
+
+
+def park(model: torch.nn.Module) -> None:
+    """Park the model's device storage in host memory (the frozen reference between its passes)."""
+    _PARKS.setdefault(model, HostPark()).out(model)
+
+
+def unpark(model: torch.nn.Module) -> None:
+    """Bring back what `park` parked, bit for bit, into the same tensors."""
+    if model in _PARKS:
+        _PARKS[model].back()
+
+
+@contextlib.contextmanager
+def unparked(model: torch.nn.Module | None):
+    """The model on the device inside the block, parked again on leaving it, whatever raised."""
+    if model is None:
+        yield
+        return
+    unpark(model)
+    try:
+        yield
+    finally:
+        park(model)
+
+
+class Switch:
+    """The actor's parameters and its optimizer state out of device memory for the engine's turn
+    (so that the engine's weights and KV cache can take it) and back after it, as one guarded
+    step: see the module's docstring. Off (`enabled` False, e.g. on CPU), the moves do nothing and
+    leaving the turn still puts the engine to sleep. Each move is timed, and on accelerators the
+    device memory in use before and after it goes into `metrics`."""
+
+    def __init__(self, actor, optimizer, engine, enabled: bool):
+        self.actor, self.optimizer, self.engine, self.enabled = actor, optimizer, engine, enabled
+        self.params, self.state = HostPark(), HostPark()  # the actor's; its optimizer's
+        self.stats = {}
+
+    def optimizer_out(self) -> None:
+        """Adam's moments to host memory: before the engine's weights wake."""
+        if self.enabled:
+            self.stats = {}  # a new switch: its own numbers
+            self._move("optimizer_out", "switch_out", lambda: self.state.out(None, self.optimizer))
+
+    def actor_out(self) -> None:
+        """The actor's shards to host memory: after the load, before the KV cache wakes."""
+        if self.enabled:
+            self._move("switch_out", "switch_out", lambda: self.params.out(self.actor))
+
+    @contextlib.contextmanager
+    def engine_turn(self):
+        """The block in which the engine works. Leaving it, whatever raised: every unit of the
+        actor resharded, the engine asleep, and the actor and its optimizer state back."""
+        try:
+            yield self
+        finally:
+            try:
+                reshard(self.actor)  # a push cut between a unit's gather and its reshard
+                if self.engine.awake:
+                    self.engine.sleep()
+            finally:
+                if self.params.away or self.state.away:
+                    self._move("switch_in", "switch_in", self._back)
+
+    def _back(self) -> None:
+        self.params.back()
+        self.state.back()
+
+    def _move(self, name: str, timer: str, fn) -> None:
+        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+        fn()
+        key = f"{timer}_time_s"
+        self.stats[key] = self.stats.get(key, 0.0) + time.perf_counter() - t
+        if before is not None:
+            self.stats.update({f"mem_{name}_before_gb": before,
+                               f"mem_{name}_after_gb": npu_ops.device_memory_used_gb()})
+
+    def metrics(self) -> dict:
+        """The newest moves' seconds (switch_out_time_s: both moves out), the device memory
+        around each on accelerators, and the host memory the parks hold (offload_host_gb)."""
+        if not self.enabled:
+            return {}
+        return {**self.stats,
+                "offload_host_gb": (self.params.host_bytes + self.state.host_bytes) / 2**30}
+
+
+def enabled(mode: str) -> bool:
+    """model.offload: on, off, or auto (on wherever the engine sleeps beside the actor on an
+    accelerator: then there is memory to give it)."""
+    return {"on": True, "off": False}.get(mode, npu_ops.engine_supports_sleep())
+
+
+def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dtype=None) -> int:
+    """The host memory the parks of one rank take: with the offload, the actor's fp32 shards and
+    Adam's two fp32 moments (12 bytes per parameter over the ranks); with a reference, its shards
+    in `reference_dtype`. Counted on a model built on the meta device from config.json (no
+    weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    params = sum(p.numel() for p in model.parameters())  # a tied embedding once
+    per_param = (12 if offload else 0) + (reference_dtype.itemsize if reference_dtype else 0)
+    return -(-params // world) * per_param
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (the host's, every process's share); None where
+    there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = dict(line.split(":", 1) for line in f)
+        return int(kib["MemAvailable"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_memory(needed_per_rank: int, local_ranks: int, available: int | None) -> None:
+    """Raise a one-line ValueError when the ranks of this node cannot park what they would."""
+    if available is None or needed_per_rank * local_ranks <= available:
+        return
+    raise ValueError(
+        f"model.offload: {local_ranks} rank(s) on this node would park "
+        f"{needed_per_rank * local_ranks / 2**30:.1f} GiB in host memory ({needed_per_rank / 2**30:.1f}"
+        f" GiB each: the actor's fp32 shards and Adam's state, and a reference's shards), but "
+        f"{available / 2**30:.1f} GiB is available. Fix: model.offload=off, more ranks, or a "
+        "host with more memory")
