@@ -24,10 +24,10 @@ import plugins
 
 
 def retry(messages: list[dict], example: dict):
-    """The built-in task with a second chance: a wrong answer gets the question again, and the
-    model answers once more; a right one ends the episode. (Its reward scores the last answer.)"""
-    answer = re.match(r"\s*(\d+)", messages[-1]["content"])
-    if answer and answer.group(1) == str(example["answer"]).strip():
+    """The built-in task with a second chance: an answer that is not the right number alone gets
+    the question again, and the model answers once more; the right one ends the episode. (Its
+    reward, rewards.tiny_sum, scores the last answer.)"""
+    if messages[-1]["content"].strip() == str(example["answer"]).strip():
         return None
     return example["prompt"]
 

@@ -120,6 +120,8 @@ class HostPark:
             seen.add(storage.data_ptr())
             storages.append(storage)
         layout = tuple(s.nbytes() for s in storages)
+        if not layout:  # nothing there yet (Adam's state before the first step)
+            return
         pin = npu_ops.device_type() != "cpu"  # faster copies both ways (no pinning on CPU)
         if layout != self.layout:
             if self.layout is not None:
@@ -144,14 +146,15 @@ class HostPark:
 
     def back(self) -> None:
         pin = npu_ops.device_type() != "cpu"
-        for (storage, offset), n in zip(self.away, self.layout):  # a storage not yet resized
-            #   (an interrupted `out`) is written with the bytes it still holds
+        for (storage, offset), n in zip(self.away, self.layout or ()):  # a storage not yet
+            #   resized (an interrupted `out`) is written with the bytes it still holds
             if storage.nbytes() != n:
                 storage.resize_(n)
             dst = _as_bytes(storage)
             for piece, at in self.arena.pieces(offset, n):
                 dst[at:at + piece.numel()].copy_(piece, non_blocking=pin)
-        npu_ops.synchronize()  # the host bytes may be overwritten by the next park
+        if self.away:
+            npu_ops.synchronize()  # the host bytes may be overwritten by the next park
         self.away = []
         if self.guard is not None:
             self.guard.remove()

@@ -158,6 +158,13 @@ class Worker:
         if self.fns is not None:  # in this process
             return [call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
                     for j, args in calls]
+        try:
+            return self._run(calls)
+        except BaseException:  # Ctrl-C mid-job: the worker would answer the next job with
+            self.close()  # this one's outcomes still on their way; a fresh one starts instead
+            raise
+
+    def _run(self, calls: list[tuple[int, tuple]]) -> list:
         out = []
         while len(out) < len(calls):
             conn = self._start()

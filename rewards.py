@@ -31,12 +31,19 @@ def _to_number(text: str):
 
 
 def tiny_sum(completion: str, example: dict) -> float:
-    """The built-in `a+b=` task: 1 if the completion starts with the right number and stops there.
+    """The built-in `a+b=` task: 1 for the right number alone (the model stopped right after it),
+    0.5 for the right number with more after it, else 0.
 
-    "7" and "7 ..." score 1; "77", "8" and "" score 0.
+    "7" scores 1; "7+3" and "7 ..." score 0.5; "77", "8" and "" score 0. Without the half (all
+    that matched the number scoring 1) the model learnt to keep writing after the answer, and
+    its greedy answers were cut at the length limit; the half keeps the early signal (the number
+    comes first) and makes stopping worth the other half. The grid stays coarse (0, 0.5, 1).
     """
+    answer = str(example["answer"]).strip()
     m = re.match(r"\s*(\d+)(?!\d)", completion)
-    return float(m is not None and m.group(1) == str(example["answer"]).strip())
+    if m is None or m.group(1) != answer:
+        return 0.0
+    return 1.0 if completion.strip() == answer else 0.5
 
 
 def gsm8k(completion: str, example: dict) -> float:

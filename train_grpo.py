@@ -138,7 +138,7 @@ class Run:
         if self.log_handler is not None:
             log.removeHandler(self.log_handler)
             self.log_handler = None
-        if _OPEN is not None and _OPEN() is self:
+        if open_run() is self:
             _OPEN = None
         if errors:
             raise errors[0]
@@ -153,6 +153,11 @@ class Run:
 _OPEN = None  # a weak reference to the Run that setup() returned and close() has not ended
 
 
+def open_run() -> Run | None:
+    """The run setup() returned that is not closed yet, if any."""
+    return _OPEN() if _OPEN is not None else None
+
+
 def setup(cfg: Config) -> Run:
     """Everything a run needs: the process group (torchrun's, or a world of one), the checks that
     need no model, the data, the reward worker, the engine, the actor (and reference), the
@@ -164,9 +169,9 @@ def setup(cfg: Config) -> Run:
     from transformers import AutoTokenizer
 
     global _OPEN
-    if _OPEN is not None and _OPEN() is not None:
+    if (other := open_run()) is not None:
         raise RuntimeError(f"setup: a run is already open in this process (log.out_dir="
-                           f"{_OPEN().cfg.log.out_dir}, step {_OPEN().step}): call its close() "
+                           f"{other.cfg.log.out_dir}, step {other.step}): call its close() "
                            "first (train_grpo.open_run() returns it)")
     cfg = copy.deepcopy(cfg)
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
@@ -220,11 +225,6 @@ def setup(cfg: Config) -> Run:
         except BaseException:  # noqa: B036  (the error that stopped setup is the one to see)
             pass
         raise
-
-
-def open_run() -> Run | None:
-    """The run setup() returned that is not closed yet, if any."""
-    return _OPEN() if _OPEN is not None else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,10 +321,10 @@ def train(cfg: Config) -> dict:
     last step's metrics."""
     metrics = {}
     with setup(cfg) as run:
-        while run.step < cfg.train.steps:
+        while run.step < run.cfg.train.steps:
             metrics = train_step(run)
-        checkpoint.save_hf(run.actor, run.tokenizer, os.path.join(cfg.log.out_dir, "final"),
-                           source=cfg.model.path)
+        checkpoint.save_hf(run.actor, run.tokenizer, os.path.join(run.cfg.log.out_dir, "final"),
+                           source=run.cfg.model.path)  # the run's copy: the tiny task's path
     return metrics
 
 

@@ -49,18 +49,22 @@ PHASES = ("generate", "floor", "sync", "reward", "sleep", "logprobs", "train", "
 
 def floor(run, ro) -> dict:
     """A bare LLM.generate of the rollout's prompts on the run's engine, woken and synced as for a
-    rollout: its seconds and response tokens. The engine sleeps again after."""
+    rollout (the actor and its optimizer state out of device memory meanwhile): its seconds and
+    response tokens. The engine sleeps again after."""
     from vllm import SamplingParams
 
     r, G = run.cfg.rollout, run.cfg.grpo.group_size
     prompts = [{"prompt_token_ids": s.prompt_ids} for s in ro.samples[::G]]
     params = SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=r.max_new_tokens, ignore_eos=True)
-    weight_sync.push(run.actor, run.engine)  # wakes weights and KV cache; empties the prefix cache
-    t = time.perf_counter()
-    outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    run.engine.sleep()
+    with run.switch.engine_turn():  # the actor out of device memory as for a rollout
+        # wakes weights and KV cache; empties the prefix cache
+        weight_sync.push(run.actor, run.engine, before_weights=run.switch.optimizer_out,
+                         before_kv_cache=run.switch.actor_out)
+        t = time.perf_counter()
+        outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        run.engine.sleep()
     return {"floor": seconds, "floor_tokens": sum(len(c.token_ids) for o in outs
                                                   for c in o.outputs),
             "tokens": sum(len(s.response_ids) for s in ro.samples)}
@@ -148,7 +152,7 @@ def main() -> None:
             metrics, ro = train_grpo.train_step(run, return_rollout=True)
             rows.append(metrics)
             steps.append(floor(run, ro))
-        rank, world = run.rank, run.world
+        rank, world, cfg = run.rank, run.world, run.cfg  # the run's copy: the model's path
     if rank == 0:  # after the run's close: its progress bar has ended its line
         print(json.dumps(summary(rows, steps, cfg, world)), flush=True)
     shutil.rmtree(out, ignore_errors=True)  # this rank's temporary run directory

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check the trainer on a machine with an NVIDIA GPU and vLLM, in about 10 minutes:
-#   1. the `gpu` tests (tests/test_gpu.py: memory given back by the switch and by sleep, engine ==
-#      trainer after a bf16 sync, a few steps that exit cleanly);
+#   1. the `gpu` tests (tests/test_gpu.py: memory given back by the switch and by sleep, the exact
+#      pinned host memory, engine == trainer after a bf16 sync, an update with no token to learn
+#      from, a few steps that exit cleanly, steps after a Ctrl-C caught in a reward);
 #   2. the tiny task for 100 steps (configs/tiny_cpu.yaml);
 #   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses).
 # Prints one summary at the end; exit code 0 when every part passed. Logs stay in $OUT.
@@ -15,7 +16,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
 
 echo "gpu_check: logs in $OUT"
-timeout 300 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+timeout 480 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
 echo "$?" >"$OUT/tests.rc"
 timeout 240 "$PY" train_grpo.py --config configs/tiny_cpu.yaml --train.steps=100 \
     --log.out_dir="$OUT/tiny" --log.eval_every=100 --data.tiny_task_dir="$OUT/tiny_task" \
@@ -45,7 +46,8 @@ gpu = json_line(tests)
 lines.append(f"gpu tests: {', '.join(f'{n} {k}' for n, k in counts) or 'no result'}")
 if gpu:
     lines.append(f"  switch out freed {gpu['freed_by_switch_gb']:.2f} GiB of "
-                 f"{gpu['state_gb']:.2f} GiB params + optimizer state (allocator: "
+                 f"{gpu['state_gb']:.2f} GiB params + optimizer state (pinned host "
+                 f"{gpu['host_gb']:.2f} GiB; allocator: "
                  f"{gpu['allocated_freed_by_switch_gb']:.2f}); sleep freed "
                  f"{gpu['freed_by_sleep_gb']:.2f} GiB (KV cache {gpu['kv_cache_gb']:.2f}); bf16 "
                  f"logp gap mean {gpu['logp_gap_mean']:.4f} max {gpu['logp_gap_max']:.4f} "

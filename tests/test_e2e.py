@@ -89,8 +89,23 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > 2 * first and last > 0.05, (first, last)
-    # the actor went out of device memory and came back at every step
-    assert all(r["switch_out_time_s"] > 0 and r["switch_in_time_s"] > 0 for r in rows)
+    # the actor and its optimizer state went out of device memory at every step, into host
+    # memory of exactly their size, the same from step 2 on (Adam's state exists from then on)
+    want = parked_bytes_of_rank0(f"{tiny_task_dir}/model", world=2)
+    assert all(r["offload_host_gb"] * 2**30 == want for r in rows[1:]), (rows[1], want)
+
+
+def parked_bytes_of_rank0(model_dir: str, world: int) -> int:
+    """What rank 0 parks with model.offload, counted from the checkpoint: its fp32 shard of each
+    parameter (FSDP2 shards dim 0 in chunks of ceil(d0 / world) rows; rank 0 holds a whole
+    chunk), Adam's two moments of the same shape, Adam's step count (a 4-byte tensor per
+    parameter, on the CPU), and every buffer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shards = sum(-(-p.shape[0] // world) * p[0].numel() * 4 for p in model.parameters())
+    return 3 * shards + 4 * len(list(model.parameters())) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
 
 
 def test_notebook_steps_equal_a_plain_run(tiny_task_dir, tmp_path):
@@ -210,3 +225,4 @@ def test_multi_turn_run(tiny_task_dir, tmp_path):
     roles = [[m["role"] for m in json.loads(line)["completion"]]  # whole conversations
              for line in open(out_dir / "samples.jsonl")]
     assert ["assistant", "user", "assistant"] in [r[-3:] for r in roles], roles[:3]
+

@@ -152,6 +152,8 @@ def test_chat_template_replies():
 
 def test_built_in_environments():
     assert envs.retry([{"role": "assistant", "content": "7"}], {"answer": "7"}) is None
+    assert envs.retry([{"role": "assistant", "content": "7+"}],
+                      {"answer": "7", "prompt": "3+4="}) == "3+4="  # not alone: again
     assert envs.retry([{"role": "assistant", "content": "8"}],
                       {"answer": "7", "prompt": "3+4="}) == "3+4="
     code = "Let me compute.\n```python\nprint(6 * 7)\n```"

@@ -1,7 +1,9 @@
 """FSDP2 sharded training on 2 gloo ranks equals unsharded training."""
 
 import pytest
+import torch
 
+import fsdp_utils
 from conftest import launch
 
 
@@ -16,3 +18,13 @@ def test_sharded_equals_unsharded(tiny_models, arch, reshard, ckpt):
 def test_offload_round_trip_is_exact(tiny_models, reshard):
     out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"], reshard])
     assert out.count("OFFLOAD_PARITY_OK") == 2, out[-3000:]
+
+
+def test_an_update_with_no_gradient_keeps_its_norm_on_the_parameters_device():
+    """No rank had a token to learn from: no parameter has a gradient, and torch's
+    clip_grad_norm_ returns a CPU zero, which the update then stacks with its device tensors (a
+    raise on GPU and NPU). The meta device stands in for an accelerator here."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    norm = fsdp_utils.clip_grad_norm(model, 1.0)
+    assert norm.device.type == "meta" and norm.shape == ()

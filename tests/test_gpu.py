@@ -1,4 +1,5 @@
-"""What only an accelerator shows: memory given back and bf16 numerics (marker `gpu`).
+"""What only an accelerator shows: memory given back, bf16 numerics, device placement after an
+empty update or a caught error (marker `gpu`).
 
 Skipped without a CUDA GPU, so CI (CPU) collects them and skips them with the reason;
 `scripts/gpu_check.sh` runs them on a machine with a GPU and vLLM.
@@ -47,4 +48,25 @@ def test_few_steps_exit_cleanly(tmp_path):
     assert "CUDA Error" not in out and "CUDA error" not in out, out[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["switch_out_time_s"] > 0 for r in rows)  # model.offload auto: on with sleep
+    # model.offload auto: on with sleep. The pinned host memory is the parked bytes exactly (no
+    # power-of-two rounding by the pinned allocator: offload.HostArena), the same every step
+    parked = rows[-1]["offload_host_gb"]
+    assert parked > 0 and all(r["offload_host_gb"] == parked for r in rows[1:])
+    freed = rows[-1]["mem_switch_out_before_gb"] - rows[-1]["mem_switch_out_after_gb"]
+    assert freed > 0, rows[-1]
+
+
+def test_a_step_after_a_caught_ctrl_c(tmp_path):
+    """Ctrl-C in a reward, caught, with the offload on and a reference, on one GPU: the next
+    steps run (before the switch was guarded, the actor stayed parked and the next step read
+    freed memory), and the engine still agrees with the trainer after the next syncs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "tests/workers/caught_error.py", "tiny", "reward",
+                           str(tmp_path / "task"), str(tmp_path / "run"), str(tmp_path / "last")],
+                          cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "CAUGHT" in proc.stdout, out[-4000:]
+    assert "CUDA Error" not in out and "CUDA error" not in out, out[-4000:]
+    last = json.load(open(tmp_path / "last.json"))
+    assert last["step"] == 3 and last["logp_gap"] < 1e-3 and last["offload_host_gb"] > 0, last

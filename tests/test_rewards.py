@@ -10,8 +10,9 @@ import rewards
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
-    ("7", "7", 1.0), ("7<eos>", "7", 1.0), (" 7 and more", "7", 1.0), ("7+++", "7", 1.0),
-    ("77", "7", 0.0), ("8", "7", 0.0), ("", "7", 0.0), ("x7", "7", 0.0), ("12", "12", 1.0),
+    ("7", "7", 1.0), (" 7\n", "7", 1.0), ("7<eos>", "7", 0.5), (" 7 and more", "7", 0.5),
+    ("7+++", "7", 0.5), ("77", "7", 0.0), ("8", "7", 0.0), ("", "7", 0.0), ("x7", "7", 0.0),
+    ("12", "12", 1.0), ("12+", "12", 0.5), ("1", "12", 0.0),
 ])
 def test_tiny_sum(completion, answer, expected):
     assert rewards.tiny_sum(completion, {"answer": answer}) == expected
@@ -100,6 +101,10 @@ def hang(completion, example):
     if completion == "hang":
         time.sleep(3600)
     return 1.0
+
+def slow(completion, example):
+    time.sleep(0.2)
+    return float(completion == example["answer"])
 
 def crash(completion, example):
     if completion == "crash":
@@ -247,3 +252,26 @@ def test_scorer_ipc_is_cheap():
         took = time.perf_counter() - t0
     assert out["reward"] == [float(i % 7 == i % 10) for i in range(512)]
     print(f"512 tiny_sum samples: {took * 1000:.1f} ms")
+
+
+def test_a_job_cut_by_ctrl_c_leaves_no_answer_for_the_next_one(plugin):
+    """Ctrl-C while the reward worker is busy: the job is abandoned, and its answers, still on
+    their way, must not be taken for the next job's (before, the next score() read them)."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    cfg = rewards.RewardConfig(funcs=["my_reward_mod:slow"], timeout_s=5.0)
+    with rewards.Scorer(cfg) as scorer:
+        scorer.score(["7"], [{"answer": "7"}])  # the worker is up
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)  # in the middle of the second call
+            with pytest.raises(KeyboardInterrupt):
+                scorer.score(["7"] * 5, [{"answer": "7"}] * 5)  # five 1s, 0.2 s each
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        out = scorer.score(["8", "8"], [{"answer": "7"}] * 2)
+        assert out["by_name"]["my_reward_mod:slow"] == [0.0, 0.0], out

@@ -1,8 +1,9 @@
 """One CUDA rank: what CPU cannot show about memory and bf16 numerics (tests/test_gpu.py runs it).
 
-1. The context switch (fsdp_utils.ActorSwap) gives the device back: after `out`, the device
+1. The context switch (offload.Switch) gives the device back: after both moves out, the device
    memory in use (every allocator, as the engine sees it) fell by at least 90% of the actor's
-   fp32 shards plus Adam's state, and `back` restores them bit for bit.
+   fp32 shards plus Adam's state, the pinned host memory is exactly the parked bytes, and
+   leaving the engine's turn restores every element of both.
 2. After a bf16 weight sync, the engine's logprobs of a probe batch equal the trainer's (bf16
    compute, the same bf16 weights) within a bound from bf16 rounding: each of the 2L + 2 places
    where the two implementations may round a normalised activation differently (the embedding,
@@ -10,6 +11,8 @@
    unit (2^-8 relative), and a logprob by about twice that; the mean gap must stay below
    2 (2L + 2) 2^-8 and the largest below 4 times that. A stale or garbled sync is off by O(1).
 3. The engine's sleep frees at least its KV cache.
+4. An update in which no rank has a token to learn from (every group dropped) runs: its
+   gradient norm is a device tensor like any other step's.
 Prints GPU_CHECKS_OK and one JSON line of what it measured.
 Usage: python tests/workers/gpu_checks.py MODEL_DIR
 """
@@ -23,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_utils
 import grpo
+import offload
 import rollout
 import weight_sync
 from rollout import Sample
@@ -54,30 +58,43 @@ samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
            for _ in range(8)]
 grpo.train_on_rollout(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
                       device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
-state_bytes = sum(t.numel() * t.element_size()
-                  for t in fsdp_utils.device_tensors(actor, opt).values())
-checksum = [t.double().sum().item() for t in fsdp_utils.device_tensors(actor, opt).values()]
-swap = fsdp_utils.ActorSwap(actor, opt, enabled=True)
+held = list(offload.device_tensors(actor, opt).values())
+state_bytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                         for t in held}.values())
+before = [t.cpu() for t in held]  # every element, to compare after the switch back
+switch = offload.Switch(actor, opt, engine, enabled=True)
 
-# 2) the sync, with the switch where the loop makes it (between the load and the KV cache's wake)
-allocated = []  # torch's allocator around the switch (the engine's pool is not in the change)
+# 2) the sync, with the switch where the loop makes it: the optimizer state out before the
+#    weights wake, the actor between the load and the KV cache's wake
+allocated = []  # torch's allocator around the moves (the engine's pool is not in the change)
 
 
-def switch_out():
+def optimizer_out():
     allocated.append(torch.cuda.memory_allocated())
-    swap.out()
+    switch.optimizer_out()
+
+
+def actor_out():
+    switch.actor_out()
     allocated.append(torch.cuda.memory_allocated())
 
 
-weight_sync.push(actor, engine, before_kv_cache=switch_out)
-stats = swap.metrics()
-freed_by_switch = stats["mem_switch_out_before_gb"] - stats["mem_switch_out_after_gb"]
+turn = switch.engine_turn()
+turn.__enter__()
+weight_sync.push(actor, engine, before_weights=optimizer_out, before_kv_cache=actor_out)
+stats = switch.metrics()
+freed_by_switch = (stats["mem_optimizer_out_before_gb"] - stats["mem_optimizer_out_after_gb"]
+                   + stats["mem_switch_out_before_gb"] - stats["mem_switch_out_after_gb"])
+host_bytes = switch.params.host_bytes + switch.state.host_bytes
+assert host_bytes == switch.params.parked_bytes + switch.state.parked_bytes == state_bytes
 probe = [s.prompt_ids + s.response_ids for s in samples]
 engine_lp = engine.score(probe)
-engine.sleep()
-swap.back()
-after_back = [t.double().sum().item() for t in fsdp_utils.device_tensors(actor, opt).values()]
-assert after_back == checksum, "switch back changed the actor or its optimizer state"
+turn.__exit__(None, None, None)  # the engine asleep, the actor and its optimizer state back
+assert all(torch.equal(t.cpu(), b) for t, b in zip(held, before)), "the switch changed a value"
+# 4) no token to learn from on any rank: the norm must come back on the device, not the CPU
+empty = grpo.train_on_rollout(actor, None, opt, [], torch.zeros(0), g, pad_id=0, device=device,
+                              seed=1, temperature=1.0, max_len=24, grad_clip=1.0)
+assert empty["grad_norm"] == 0.0, empty
 with torch.no_grad():
     gaps = []
     for ids, elp in zip(probe, engine_lp):
@@ -88,6 +105,7 @@ gaps = torch.cat(gaps)
 layers = actor.config.num_hidden_layers
 bound = 2 * (2 * layers + 2) * 2.0**-8
 result = {"state_gb": state_bytes / 2**30, "freed_by_switch_gb": freed_by_switch,
+          "host_gb": host_bytes / 2**30,
           "allocated_freed_by_switch_gb": (allocated[0] - allocated[1]) / 2**30,
           "kv_cache_gb": KV_BYTES / 2**30, "freed_by_sleep_gb": freed_by_sleep,
           "logp_gap_mean": gaps.mean().item(), "logp_gap_max": gaps.max().item(),

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import fsdp_utils
 import grpo
 import logprobs
+import offload
 from rollout import Sample
 from grpo import LOSS_AGGS, split_mini_batches
 from train_grpo import Config, init_distributed
@@ -63,7 +64,7 @@ try:
     raise AssertionError("a parked model ran")
 except RuntimeError as e:
     assert "parked" in str(e)
-fsdp_utils.onload(ref_model)
+offload.unpark(ref_model)
 ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
                                   cfg.rollout.temperature)
 with torch.no_grad():

@@ -1,0 +1,108 @@
+"""offload.py on one process: the host arena's exact size, a park's round trip across chunk
+boundaries, the switch that restores everything whatever raised, the host memory check.
+(2 ranks with FSDP2, a reference and ZeRO-2: tests/workers/offload_parity.py, via test_fsdp.)"""
+
+import pytest
+import torch
+
+import offload
+
+
+def test_power_of_two_parts_add_up_exactly():
+    for n in (1, 2, 3, 13, 4096, 4097, 2**31 + 12345):
+        parts = offload.power_of_two_parts(n)
+        assert sum(parts) == n and len(set(parts)) == len(parts)
+        assert all(p & (p - 1) == 0 for p in parts) and parts == sorted(parts, reverse=True)
+    assert offload.power_of_two_parts(13) == [8, 4, 1]
+
+
+class Odd(torch.nn.Module):
+    """Parameters and a buffer of odd byte sizes, so that tensors straddle the arena's chunks."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(7, 3, generator=gen, dtype=torch.float16))
+        self.b = torch.nn.Parameter(torch.randn(1001, generator=gen))
+        self.register_buffer("c", torch.randint(0, 100, (13,), generator=gen, dtype=torch.int8))
+
+    def forward(self, x):
+        return x * self.b.sum()
+
+
+class FakeEngine:
+    def __init__(self):
+        self.awake, self.sleeps = True, 0
+
+    def sleep(self):
+        self.awake, self.sleeps = False, self.sleeps + 1
+
+
+def storages(model):
+    return [t.untyped_storage() for t in [*model.parameters(), *model.buffers()]]
+
+
+def test_a_park_round_trip_is_exact_in_memory_of_exactly_its_size():
+    model, park = Odd(), offload.HostPark()
+    want = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    total = sum(s.nbytes() for s in storages(model))  # 42 + 4004 + 13 bytes
+    assert total == 4059
+    for _ in range(3):
+        park.out(model)
+        assert all(s.nbytes() == 0 for s in storages(model))
+        assert park.parked_bytes == park.host_bytes == total
+        assert len(park.arena.chunks) == bin(total).count("1")  # tensors straddle chunks
+        with pytest.raises(RuntimeError, match="parked"):
+            model(torch.ones(1))  # a parked model refuses to run
+        park.back()
+        got = [*model.parameters(), *model.buffers()]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert model(torch.ones(1)).shape == (1,)
+    assert park.allocations == 1
+
+
+@pytest.mark.parametrize("where", ["before the moves", "between the moves", "after the moves"])
+def test_leaving_the_engine_turn_restores_everything_whatever_raised(where):
+    model = Odd()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tensors = lambda: [*model.parameters(), *model.buffers(),  # noqa: E731
+                       *(v for s in opt.state.values() for v in s.values())]
+    want = [t.detach().clone() for t in tensors()]
+    engine = FakeEngine()
+    switch = offload.Switch(model, opt, engine, enabled=True)
+    with pytest.raises(KeyboardInterrupt):
+        with switch.engine_turn():
+            if where != "before the moves":
+                switch.optimizer_out()
+            if where == "after the moves":
+                switch.actor_out()
+                assert all(t.untyped_storage().nbytes() == 0 for t in tensors())
+            raise KeyboardInterrupt
+    assert engine.sleeps == 1 and not engine.awake
+    assert all(torch.equal(t, w) for t, w in zip(tensors(), want))
+    assert model(torch.ones(1)).shape == (1,)  # the guard is gone
+    assert not switch.params.away and not switch.state.away
+    if where == "after the moves":
+        assert {"switch_out_time_s", "switch_in_time_s", "offload_host_gb"} <= set(
+            switch.metrics())
+        assert switch.metrics()["offload_host_gb"] * 2**30 == switch.params.host_bytes + (
+            switch.state.host_bytes) == sum({t.untyped_storage().data_ptr(): t.untyped_storage(
+                ).nbytes() for t in tensors()}.values())
+
+
+def test_host_memory_check(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
+        tiny_models["qwen2"]).parameters())
+    need = offload.host_bytes_per_rank(tiny_models["qwen2"], 2, True, torch.bfloat16)
+    assert need == -(-n // 2) * (12 + 2)
+    assert offload.host_bytes_per_rank(tiny_models["qwen2"], 1, False, None) == 0
+    offload.check_host_memory(need, 8, 8 * need)  # fits exactly
+    offload.check_host_memory(need, 8, None)  # nothing known: no check
+    with pytest.raises(ValueError, match=r"model.offload: 8 rank\(s\)") as e:
+        offload.check_host_memory(need, 8, 8 * need - 1)
+    assert len(str(e.value).splitlines()) == 1 and "Fix:" in str(e.value)
