@@ -322,8 +322,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with a reference, the
     mean grad norm, and logprobs_time_s, the seconds of the old-policy and reference passes
     before the first optimizer step."""
-    t = time.perf_counter()
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
+    t = time.perf_counter()
     on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
