@@ -322,8 +322,20 @@ def hold_gathered(model, hold: bool) -> None:
         if not hasattr(m, "set_reshard_after_backward"):  # not an FSDP2 unit
             continue
         # torch 2.13 _fsdp_param_group.py: post_forward_mesh_info None = kept after forward
-        if all(g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups):
+        if all(g.post_forward_mesh_info is None for g in fsdp_param_groups(m)):
             m.set_reshard_after_backward(not hold, recurse=False)
+
+
+def fsdp_param_groups(unit) -> list:
+    """An FSDP2 unit's parameter groups, whatever the torch version: a list,
+    `FSDPState._fsdp_param_groups`, in torch 2.13 (_fully_shard/_fsdp_state.py, where the
+    singular name is kept as a property that refuses several groups); one group or None,
+    `_fsdp_param_group`, in torch 2.10 and 2.11, which have no list."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return groups
 
 
 def per_sample(found: list, n: int) -> list:

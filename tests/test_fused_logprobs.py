@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo
+import logprobs
 from test_packing import model_for, varied_samples, world_of_one  # noqa: F401 (fixture)
 
 # (loss_agg, clip_low, clip_high, kl_coef, kl_estimator, is_correction, on_policy, temperature)
@@ -305,3 +306,18 @@ def test_no_host_sync_in_the_logprob_pass(world_of_one, monkeypatch):
     logprobs.sample_logprobs(model, samples, g, 0, "cpu", 0.7)
     assert counter.windows == 4
     assert not counter.sites, dict(counter.sites)
+
+
+def test_fsdp_param_groups_reads_both_torch_layouts():
+    """torch 2.13 keeps a unit's groups in a list (`_fsdp_param_groups`); torch 2.10 and 2.11,
+    the versions the Ascend and GPU stacks run, hold one `_fsdp_param_group` and no list. A unit
+    of each layout (stand-ins: this machine has torch 2.13 only) gives its groups as a list."""
+    import types
+
+    group = types.SimpleNamespace(post_forward_mesh_info=None)
+    new = types.SimpleNamespace(_fsdp_param_groups=[group, group])
+    old, old_empty = (types.SimpleNamespace(_fsdp_param_group=g) for g in (group, None))
+    unit = lambda state: types.SimpleNamespace(_get_fsdp_state=lambda: state)  # noqa: E731
+    assert logprobs.fsdp_param_groups(unit(new)) == [group, group]
+    assert logprobs.fsdp_param_groups(unit(old)) == [group]
+    assert logprobs.fsdp_param_groups(unit(old_empty)) == []
