@@ -60,8 +60,12 @@ def _coerce(where: str, value, typ):
             if isinstance(value, (dict, list)):
                 raise ValueError
             return str(value)
-        if typing.get_origin(typ) is list:  # a YAML list, or "a,b" on the command line
-            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        if typing.get_origin(typ) is list:  # a YAML list, or "a,b" / "[a, b]" on the command line
+            text = str(value).strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            items = value if isinstance(value, list) else [
+                v.strip() for v in text.split(",") if v.strip()]
             return [_coerce(where, item, typing.get_args(typ)[0]) for item in items]
     except (TypeError, ValueError):
         pass

@@ -119,6 +119,11 @@ def test_yaml_errors_and_close_keys(tmp_path):
         load_config(None, ["--optim.learning_rate=1e-6"])
     cfg = load_config(None, ["--reward.funcs=math,format", "--reward.weights=1,0.1"])
     assert cfg.reward.funcs == ["math", "format"] and cfg.reward.weights == [1.0, 0.1]
+    # the list syntax most command lines accept, with or without spaces
+    cfg = load_config(None, ["--reward.funcs=[math, format]", "--reward.weights", "[1, 0.1]"])
+    assert cfg.reward.funcs == ["math", "format"] and cfg.reward.weights == [1.0, 0.1]
+    assert load_config(None, ["--reward.funcs=[tiny_sum]"]).reward.funcs == ["tiny_sum"]
+    assert load_config(None, ["--log.wandb_tags=[]"]).log.wandb_tags == []
 
 
 @pytest.mark.parametrize("path, world", [
