@@ -330,7 +330,8 @@ def fsdp_param_groups(unit) -> list:
     """An FSDP2 unit's parameter groups, whatever the torch version: a list,
     `FSDPState._fsdp_param_groups`, in torch 2.13 (_fully_shard/_fsdp_state.py, where the
     singular name is kept as a property that refuses several groups); one group or None,
-    `_fsdp_param_group`, in torch 2.10 and 2.11, which have no list."""
+    `_fsdp_param_group`, in torch 2.10 and 2.11, which have no list (read in torch 2.10.0's
+    wheel)."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:

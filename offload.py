@@ -15,9 +15,10 @@ park its gathered copy and leave the shard on the device.
 Host memory. A park's bytes go into one arena, allocated at the first park and reused after:
 pinned chunks (on accelerators) whose sizes are the powers of two of the total's binary
 expansion, so that they add up to exactly the parked bytes. The accelerators' pinned host
-allocators round each block up to a power of two (torch 2.13 ATen/core/CachingHostAllocator.h,
-allocate: PowerOf2Ceil; the Ascend backend's host allocator does the same), so a buffer per
-tensor, or one buffer for all, can take up to twice the memory; a power of two is not rounded. Tensors are laid end to end and may straddle two chunks.
+allocators round each block up to a power of two (torch 2.10.0 and 2.13.0,
+ATen/core/CachingHostAllocator.h, allocate: PowerOf2Ceil; by its source, the Ascend backend's
+too), so a buffer per tensor, or one buffer for all, can take up to twice the memory; a power of
+two is not rounded. Tensors are laid end to end and may straddle two chunks.
 
 The switch (`Switch.engine_turn`, a context). Inside it the loop pushes the weights and lets the
 engine work; the optimizer state leaves the device before the engine's weights wake, the
