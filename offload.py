@@ -298,9 +298,10 @@ def check_host_memory(needed_per_rank: int, local_ranks: int, available: int | N
     """Raise a one-line ValueError when the ranks of this node cannot park what they would."""
     if available is None or needed_per_rank * local_ranks <= available:
         return
+    gib = needed_per_rank / 2**30
     raise ValueError(
-        f"model.offload: {local_ranks} rank(s) on this node would park "
-        f"{needed_per_rank * local_ranks / 2**30:.1f} GiB in host memory ({needed_per_rank / 2**30:.1f}"
-        f" GiB each: the actor's fp32 shards and Adam's state, and a reference's shards), but "
+        f"model.offload: {local_ranks} rank(s) on this node would park {gib * local_ranks:.1f} "
+        f"GiB in host memory ({gib:.1f} GiB each: the actor's fp32 shards and Adam's state, "
+        "and a reference's shards), but "
         f"{available / 2**30:.1f} GiB is available. Fix: model.offload=off, more ranks, or a "
         "host with more memory")

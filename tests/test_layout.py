@@ -18,7 +18,8 @@ ALLOWED = {
     "rollout": {"npu_ops", "tracking"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer
-    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking"},  # the algorithm: nothing of engines or files
+    # the algorithm: nothing of engines or files
+    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking"},
     "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout"},
     "config": {"npu_ops", "offload", "rewards", "grpo", "episodes"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
