@@ -328,7 +328,7 @@ def hold_gathered(model, hold: bool) -> None:
 
 def fsdp_param_groups(unit) -> list:
     """An FSDP2 unit's parameter groups, whatever the torch version: a list,
-    `FSDPState._fsdp_param_groups`, in torch 2.13 (_fully_shard/_fsdp_state.py, where the
+    `FSDPState._fsdp_param_groups`, in torch 2.13 (FSDP2's _fsdp_state.py, where the
     singular name is kept as a property that refuses several groups); one group or None,
     `_fsdp_param_group`, in torch 2.10 and 2.11, which have no list (read in torch 2.10.0's
     wheel)."""
