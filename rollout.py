@@ -325,17 +325,18 @@ def _abort_unfinished(llm) -> None:
     """Abort the requests an interrupted generate left in the engine. LLM.generate adds every
     request, then steps the engine until none is unfinished (vLLM 0.32
     entrypoints/common/offline.py, _run_engine); cut in between, the rest stay queued, and the
-    next generate would return their outputs among its own. The output processor holds their
-    ids (v1/engine/output_processor.py, request_states); abort_request takes them
-    (v1/engine/llm_engine.py: as internal ids in 0.32, earlier versions take the ids alone)."""
-    engine = llm.llm_engine
-    ids = list(engine.output_processor.request_states)
-    if not ids:
-        return
+    next generate would return their outputs among its own. vLLM 0.32's output processor holds
+    their ids (v1/engine/output_processor.py, request_states) and LLMEngine.abort_request takes
+    them as internal ids (v1/engine/llm_engine.py). Checked against 0.32 only: where that
+    fails, the engine is left as it is and a warning says so (the caller's error goes on)."""
     try:
-        engine.abort_request(ids, internal=True)
-    except TypeError:
-        engine.abort_request(ids)
+        engine = llm.llm_engine
+        ids = list(engine.output_processor.request_states)
+        if ids:
+            engine.abort_request(ids, internal=True)
+    except Exception as e:  # noqa: BLE001  (never hide the error that brought us here)
+        log.warning("could not abort the engine's unfinished requests (%s): the next generate "
+                    "may return them among its own", e)
 
 
 def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
