@@ -9,13 +9,14 @@ name; `validate` checks the cross-section constraints before anything loads.
 
 import dataclasses
 import difflib
+import json
 import os
 import typing
 
 import torch
 
+import domains
 import episodes
-import grpo
 import npu_ops
 import offload
 import rewards
@@ -124,18 +125,38 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
     return cfg
 
 
+def fields(cfg):
+    """(section.key, value, domain, default) of every field of the config tree `cfg`, the domain
+    read from the field's type (domains.py); a field without one is a TypeError."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        hints = typing.get_type_hints(type(section), include_extras=True)
+        for f in dataclasses.fields(section):
+            found = [a for a in getattr(hints[f.name], "__metadata__", ())
+                     if isinstance(a, domains.Domain)]
+            if not found:
+                raise TypeError(f"config field {sec.name}.{f.name} states no domain: annotate it "
+                                "as Annotated[type, domains.X(...)] (domains.py)")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            yield f"{sec.name}.{f.name}", getattr(section, f.name), found[0], default
+
+
 def validate(cfg, world_size: int) -> None:
-    """Checks that need no model: fail in a second, not after minutes of loading."""
+    """Checks that need no model: fail in a second, not after minutes of loading. First every
+    field against its domain, then what spans fields and modules."""
     r, g = cfg.rollout, cfg.grpo
+    for name, value, domain, default in fields(cfg):
+        if (problem := domain.problem(value)) is not None:
+            raise BadInput(f"config: {name}={value!r}: {problem}. Fix: change {name}, or leave "
+                           f"it out for its default {default!r}")
 
     def need(ok, msg):
         if not ok:
             raise BadInput(f"config: {msg}")
 
-    need(r.tp_size >= 1 and world_size % r.tp_size == 0,
+    need(world_size % r.tp_size == 0,
          f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
     engines = world_size // r.tp_size
-    need(g.group_size >= 2, f"grpo.group_size={g.group_size}: needs >= 2 to form an advantage")
     need(g.prompts_per_step % engines == 0,
          f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of engine "
          f"groups (world {world_size} / rollout.tp_size {r.tp_size} = {engines})")
@@ -148,33 +169,13 @@ def validate(cfg, world_size: int) -> None:
          f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
     per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
-    for key, options in (("loss_agg", grpo.LOSS_AGGS), ("kl_estimator", ("k1", "k2", "k3")),
-                         ("is_correction", ("none", "tis", "seq_mask")),
-                         ("overlong", ("none", "mask", "penalty"))):
-        need(getattr(g, key) in options, f"grpo.{key}='{getattr(g, key)}': use one of {options}")
-    need(0 <= g.clip_low < 1 and g.clip_high >= 0,
-         f"grpo.clip_low={g.clip_low} must be in [0, 1) and grpo.clip_high={g.clip_high} >= 0")
-    need(g.ppo_epochs >= 1 and 1 <= g.mini_batches <= per_rank,
-         f"grpo.ppo_epochs={g.ppo_epochs} must be >= 1 and grpo.mini_batches={g.mini_batches} "
-         f"between 1 and the samples per rank ({per_rank})")
-    need(g.kl_coef >= 0, f"grpo.kl_coef={g.kl_coef} must be >= 0 (0 turns the KL term off)")
-    need(g.is_cap > 1, f"grpo.is_cap={g.is_cap} must be > 1")
+    need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
+         f"and the samples per rank ({per_rank})")
     need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
          f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs grpo.dynamic_sampling=true")
     need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
          f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
          f"({r.max_new_tokens}); got {g.overlong_buffer}")
-    need(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}: use 1 or 2")
-    need(r.sync_by in ("tensor", "unit"), f"rollout.sync_by='{r.sync_by}': use unit or tensor")
-    need(cfg.model.offload in ("auto", "on", "off"),
-         f"model.offload='{cfg.model.offload}': use auto, on or off")
-    need(cfg.optim.schedule in ("constant", "cosine"),
-         f"optim.schedule='{cfg.optim.schedule}': use constant or cosine")
-    need(cfg.optim.lr > 0 and cfg.train.steps >= 1, "optim.lr and train.steps must be positive")
-    for name in ("model.param_dtype", "model.reduce_dtype", "rollout.dtype"):
-        sec, key = name.split(".")
-        need(isinstance(getattr(torch, getattr(getattr(cfg, sec), key), None), torch.dtype),
-             f"{name}='{getattr(getattr(cfg, sec), key)}' is not a torch dtype (e.g. bfloat16)")
     compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, r.dtype))
     need(r.sync_by == "tensor" or compute >= engine,
          f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which would "
@@ -186,7 +187,8 @@ def validate(cfg, world_size: int) -> None:
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
     except ValueError as e:
         raise BadInput(str(e)) from None
-    if not cfg.data.tiny_task_dir:  # data sources are checked when they load (data.py)
+    if cfg.model.path or not cfg.data.tiny_task_dir:  # (the tiny task's own model: no path)
+        #   data sources are checked when they load (data.py)
         need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
              f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")
         need(not os.path.isdir(cfg.model.path)
@@ -218,3 +220,48 @@ def check_host_memory(cfg, world_size: int) -> None:
                                   offload.host_memory_available())
     except ValueError as e:
         raise BadInput(str(e)) from None
+
+
+def check_model(cfg) -> None:
+    """The checks that need the model's own files, read without loading it (config.json and the
+    tokenizer's files, never the weights): rollout.max_model_len within the model's positions,
+    a KV cache (rollout.kv_cache_memory_bytes) that holds one request of max_model_len tokens,
+    and a chat template where data.chat_template asks for one. BadInput naming the field. A
+    model.path that is a hub id, not a directory, is left to the loaders."""
+    path, r = cfg.model.path, cfg.rollout
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    with open(os.path.join(path, "config.json")) as f:
+        text = json.load(f)
+    text = text.get("text_config", text)  # a multimodal model's language part
+    positions = text.get("max_position_embeddings")
+    if positions and r.max_model_len > positions:
+        raise BadInput(f"config: rollout.max_model_len={r.max_model_len} is more than the "
+                       f"model's {positions} positions (max_position_embeddings in {path}/"
+                       f"config.json). Fix: rollout.max_model_len <= {positions}")
+    if r.kv_cache_memory_bytes:
+        heads = text["num_attention_heads"]
+        kv_heads = max(1, text.get("num_key_value_heads", heads) // r.tp_size)  # per rank
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * getattr(
+            torch, r.dtype).itemsize  # a key and a value per layer and KV head
+        block = r.block_size or 128  # the largest platform default (vLLM on CPU: 128 tokens)
+        need = -(-r.max_model_len // block) * block * per_token
+        if r.kv_cache_memory_bytes < need:
+            raise BadInput(
+                f"config: rollout.kv_cache_memory_bytes={r.kv_cache_memory_bytes} cannot hold "
+                f"one request of rollout.max_model_len={r.max_model_len} tokens ({per_token} "
+                f"bytes a token for this model in {r.dtype}, in blocks of {block} tokens). Fix: "
+                f"at least {need}, or 0 to size the cache by rollout.gpu_memory_utilization")
+    if cfg.data.chat_template:
+        found = [name for name in ("chat_template.jinja", "chat_template.json")
+                 if os.path.isfile(os.path.join(path, name))]
+        settings = os.path.join(path, "tokenizer_config.json")
+        if not found and os.path.isfile(settings):
+            with open(settings) as f:
+                found = ["tokenizer_config.json"] if json.load(f).get("chat_template") else []
+        if not found:
+            raise BadInput(f"config: data.chat_template=true, but the tokenizer in {path} has "
+                           "no chat template (no chat_template.jinja, nor one in "
+                           "tokenizer_config.json). Fix: data.chat_template=false (plain text "
+                           "prompts), or a model with a chat template")

@@ -15,27 +15,44 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
 import config
+from domains import FLAG, Anything, OneOf, Range
 
 log = logging.getLogger("grpo")
+
+# data.load_examples checks these against what the data holds, with one line naming the field
+LOADS = "checked when the data loads (load_examples), against the files, hub and columns"
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # hub dataset id "org/name", a .parquet/.jsonl/.json file, or a save_to_disk dir
-    split: str = "train"  # split of a hub dataset or a saved DatasetDict (files have one: ignored)
-    config_name: str = ""  # hub dataset config, e.g. "main" for openai/gsm8k (empty: the default)
-    eval_path: str = ""  # held-out set for log.eval_every, same kinds as path (empty: train)
-    eval_split: str = "test"  # split of eval_path
-    preset: str = ""  # "gsm8k" | "math" | "": fills the fields left at their defaults (PRESETS)
-    prompt_key: str = "prompt"  # column holding the prompt: text, or a list of {role, content}
-    answer_key: str = "answer"  # column holding the gold answer ("": none, example["answer"] None)
-    prompt_suffix: str = ""  # appended to every prompt (the last user turn), e.g. an instruction
-    system_prompt: str = ""  # a system turn with chat_template, else text before a blank line
-    chat_template: bool = False  # render the prompt with the tokenizer's chat template
-    max_prompt_len: int = 512  # longer prompts are dropped at load time
-    tiny_task_dir: str = ""  # if set: create the built-in tiny model + prompts here if missing
+    # hub dataset id "org/name", a .parquet/.jsonl/.json file, or a save_to_disk dir
+    path: Annotated[str, Anything(LOADS)] = ""
+    # split of a hub dataset or a saved DatasetDict (files have one: ignored)
+    split: Annotated[str, Anything(LOADS)] = "train"
+    # hub dataset config, e.g. "main" for openai/gsm8k (empty: the default)
+    config_name: Annotated[str, Anything(LOADS)] = ""
+    # held-out set for log.eval_every, same kinds as path (empty: train)
+    eval_path: Annotated[str, Anything(LOADS)] = ""
+    eval_split: Annotated[str, Anything(LOADS)] = "test"  # split of eval_path
+    # "gsm8k" | "math" | "": fills the fields left at their defaults (PRESETS)
+    preset: Annotated[str, OneOf("", "gsm8k", "math")] = ""
+    # column holding the prompt: text, or a list of {role, content}
+    prompt_key: Annotated[str, Anything(LOADS)] = "prompt"
+    # column holding the gold answer ("": none, example["answer"] None)
+    answer_key: Annotated[str, Anything(LOADS)] = "answer"
+    # appended to every prompt (the last user turn), e.g. an instruction
+    prompt_suffix: Annotated[str, Anything("free text")] = ""
+    # a system turn with chat_template, else text before a blank line
+    system_prompt: Annotated[str, Anything("free text")] = ""
+    # render the prompt with the tokenizer's chat template (which config.check_model looks for)
+    chat_template: Annotated[bool, FLAG] = False
+    max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
+    # if set: create the built-in tiny model + prompts here if missing
+    tiny_task_dir: Annotated[str, Anything("any directory path: created if missing")] = ""
+
 
 
 def gsm8k_answer(text: str) -> str | None:

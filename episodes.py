@@ -22,20 +22,25 @@ call that fails or is cut ends its episode, which scores 0 and is counted.
 import random
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import envs
 import plugins
 import rollout
+from domains import Anything, Range
 
 
 @dataclass
 class EnvConfig:
-    name: str = ""  # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn
-    max_turns: int = 2  # model turns per episode
-    max_tokens: int = 256  # tokens after the prompt (model and environment); each turn also
-    #   stops at rollout.max_new_tokens
-    timeout_s: float = 10.0  # time limit of one environment call; 0: in this process
-    reply_role: str = "user"  # the chat role of a reply given as text ("tool" for a tool's)
+    # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn
+    name: Annotated[str, Anything("validate resolves it", refused=("nope",))] = ""
+    max_turns: Annotated[int, Range(1)] = 2  # model turns per episode
+    # tokens after the prompt (model and environment); each turn also stops at
+    #   rollout.max_new_tokens
+    max_tokens: Annotated[int, Range(1)] = 256
+    timeout_s: Annotated[float, Range(0)] = 10.0  # one environment call's limit; 0: in-process
+    # the chat role of a reply given as text ("tool" for a tool's)
+    reply_role: Annotated[str, Anything("any role the tokenizer's chat template renders")] = "user"
 
 
 def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:

@@ -11,6 +11,7 @@ Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts
 import logging
 import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
@@ -19,33 +20,43 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import npu_ops
 import offload
+from domains import DTYPE, FLAG, Anything, OneOf, Range
 
 log = logging.getLogger("grpo")
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # local directory or hub id of a HF causal LM (Qwen2/Qwen3 tested)
-    param_dtype: str = "bfloat16"  # compute dtype of the actor (FSDP2 MixedPrecisionPolicy)
-    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype
-    reshard_after_forward: bool = True  # True = ZeRO-3; False = ZeRO-2 (faster below ~7B)
-    gradient_checkpointing: bool = False  # recompute activations in backward: memory for time
-    attn_implementation: str = "auto"  # auto: npu_ops picks the platform's fused attention
-    fused_kernels: str = "auto"  # auto | fused | reference | off: see npu_ops.kernel_path
-    offload: str = "auto"  # params + optimizer state in host memory while the engine generates:
-    #   auto = on where the engine sleeps on an accelerator beside the actor, off on CPU
+    # local directory or hub id of a HF causal LM (Qwen2/Qwen3 tested)
+    path: Annotated[str, Anything("config.validate: a directory with config.json, or a hub id",
+                                  refused=("no/such/dir/x",))] = ""
+    param_dtype: Annotated[str, DTYPE] = "bfloat16"  # compute dtype (MixedPrecisionPolicy)
+    reduce_dtype: Annotated[str, DTYPE] = "float32"  # gradient reduce-scatter dtype
+    reshard_after_forward: Annotated[bool, FLAG] = True  # True = ZeRO-3; False = ZeRO-2
+    #   (faster below ~7B)
+    gradient_checkpointing: Annotated[bool, FLAG] = False  # recompute activations in backward
+    # auto: npu_ops picks the platform's fused attention; else a name transformers knows
+    attn_implementation: Annotated[str, OneOf(
+        "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention",
+        "packed_sdpa")] = "auto"
+    # see npu_ops.kernel_path
+    fused_kernels: Annotated[str, OneOf("auto", "fused", "reference", "off")] = "auto"
+    # params + optimizer state in host memory while the engine generates: auto = on where the
+    # engine sleeps on an accelerator beside the actor, off on CPU
+    offload: Annotated[str, OneOf("auto", "on", "off")] = "auto"
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_steps: int = 0  # linear warmup from 0 to lr
-    schedule: str = "constant"  # constant | cosine (after warmup, down to min_lr_ratio * lr)
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    lr: Annotated[float, Range(0, 1, lo_open=True)] = 1e-6
+    weight_decay: Annotated[float, Range(0, 1)] = 0.0
+    beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9
+    beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.999
+    warmup_steps: Annotated[int, Range(0)] = 0  # linear warmup from 0 to lr
+    # constant | cosine (after warmup, down to min_lr_ratio * lr)
+    schedule: Annotated[str, OneOf("constant", "cosine")] = "constant"
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
+    grad_clip: Annotated[float, Range(0)] = 1.0  # max global grad norm; 0 disables
 
 
 # Packed micro-batches (grpo.pack): several samples in one row, position ids restarting at 0 for

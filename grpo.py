@@ -3,7 +3,7 @@
 Nothing here knows about engines or files: a rollout arrives as samples (prompt_ids,
 response_ids, the engine's logp of each response token) and rewards, and leaves as gradient steps
 on the FSDP2 actor. To try a new loss, edit `grpo_loss` (and, for a new option, `GRPOConfig` and
-the option lists in `LOSS_AGGS` / config.validate).
+its domain in the field's type (domains.py)).
 
 With the defaults this GRPO is, precisely:
 - advantage = (r - mean_group) / (std_group + eps), std unbiased (DeepSeekMath's GRPO); groups
@@ -29,6 +29,7 @@ model wrote.
 import math
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
@@ -37,38 +38,53 @@ import fsdp_utils
 import logprobs
 import offload
 import tracking
+from domains import FLAG, OneOf, Range
+
+
+LOSS_AGGS = ("token_mean", "seq_mean", "constant")
 
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 8  # G: responses sampled per prompt
-    prompts_per_step: int = 32  # over all ranks; each engine group takes an equal slice
-    adv_eps: float = 1e-6  # added to the group std
-    scale_adv_by_std: bool = True  # false: adv = r - mean (Dr. GRPO)
-    loss_agg: str = "token_mean"  # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2  # DAPO's "clip-higher" raises this (0.28)
-    ppo_epochs: int = 1  # passes over each rollout
-    mini_batches: int = 1  # optimizer steps per pass; >1 epochs or mini-batches: off-policy
-    kl_coef: float = 0.0  # KL-to-reference loss weight; > 0 builds a frozen reference copy
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators; k3 as in DeepSeekMath)
-    is_correction: str = "tis"  # engine/trainer mismatch: none | tis | seq_mask
-    is_cap: float = 2.0  # C: TIS weight cap; seq_mask keeps sequence ratios in [1/C, C]
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
-    max_gen_rounds: int = 1  # with dynamic sampling: rounds of fresh prompts to refill the batch
-    overlong: str = "none"  # truncated responses: none | mask (out of the loss) | penalty
-    overlong_buffer: int = 0  # penalty: last N tokens before max_new_tokens ramp it to -factor
-    overlong_penalty_factor: float = 1.0
-    micro_batch_tokens: int = 8192  # tokens per forward/backward on one rank (padding counts
-    #   too when pack is false)
-    pack: bool = True  # a micro-batch is one row of samples end to end, no padding (fsdp_utils)
-    logprob_chunk: int = 1024  # output-layer rows at a time: at most (chunk x vocab) fp32 logits
+    group_size: Annotated[int, Range(2)] = 8  # G: responses sampled per prompt
+    # over all ranks; each engine group takes an equal slice
+    prompts_per_step: Annotated[int, Range(1)] = 32
+    adv_eps: Annotated[float, Range(0)] = 1e-6  # added to the group std
+    scale_adv_by_std: Annotated[bool, FLAG] = True  # false: adv = r - mean (Dr. GRPO)
+    # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
+    loss_agg: Annotated[str, OneOf(*LOSS_AGGS)] = "token_mean"
+    # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.2
+    clip_high: Annotated[float, Range(0)] = 0.2  # DAPO's "clip-higher" raises this (0.28)
+    ppo_epochs: Annotated[int, Range(1)] = 1  # passes over each rollout
+    # optimizer steps per pass; >1 epochs or mini-batches: off-policy
+    mini_batches: Annotated[int, Range(1)] = 1
+    # KL-to-reference loss weight; > 0 builds a frozen reference copy
+    kl_coef: Annotated[float, Range(0)] = 0.0
+    # Schulman's estimators; k3 as in DeepSeekMath
+    kl_estimator: Annotated[str, OneOf("k1", "k2", "k3")] = "k3"
+    # engine/trainer mismatch correction
+    is_correction: Annotated[str, OneOf("none", "tis", "seq_mask")] = "tis"
+    # C: TIS weight cap; seq_mask keeps sequence ratios in [1/C, C]
+    is_cap: Annotated[float, Range(1, lo_open=True)] = 2.0
+    dynamic_sampling: Annotated[bool, FLAG] = False  # drop groups whose rewards are all equal
+    # with dynamic sampling: rounds of fresh prompts to refill the batch
+    max_gen_rounds: Annotated[int, Range(1)] = 1
+    # truncated responses: none | mask (out of the loss) | penalty
+    overlong: Annotated[str, OneOf("none", "mask", "penalty")] = "none"
+    # penalty: last N tokens before max_new_tokens ramp it to -factor
+    overlong_buffer: Annotated[int, Range(0)] = 0
+    overlong_penalty_factor: Annotated[float, Range(0)] = 1.0
+    # tokens per forward/backward on one rank (padding counts too when pack is false)
+    micro_batch_tokens: Annotated[int, Range(1)] = 8192
+    # a micro-batch is one row of samples end to end, no padding (fsdp_utils)
+    pack: Annotated[bool, FLAG] = True
+    # output-layer rows at a time: at most (chunk x vocab) fp32 logits
+    logprob_chunk: Annotated[int, Range(1)] = 1024
 
 
 # ----------------------------------------------------------------------------------------------
 # the math: small pure functions on tensors. Each variant names the paper it comes from.
-
-LOSS_AGGS = ("token_mean", "seq_mean", "constant")
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -14,11 +14,13 @@ import logging
 import numbers
 import re
 from dataclasses import dataclass, field
+from typing import Annotated
 from math import isfinite
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 import plugins
+from domains import Anything, Items, Range
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -116,10 +118,14 @@ REWARDS = {"tiny_sum": tiny_sum, "gsm8k": gsm8k, "math": math, "format": answer_
 class RewardConfig:
     """The `reward:` section: which functions score a sample, their weights, their time limit."""
 
-    funcs: list[str] = field(default_factory=lambda: ["tiny_sum"])  # REWARDS key, mod:fn, a.py:fn
-    weights: list[float] = field(default_factory=list)  # one per func (empty: 1.0 each); summed
-    timeout_s: float = 10.0  # time limit of one reward call on one sample (a cut call scores 0);
-    #   0: call the functions in this process, no time limit (breakpoint() works in a reward)
+    # REWARDS key, mod:fn or a.py:fn, each resolved by `validate` before any model loads
+    funcs: Annotated[list[str], Anything("rewards.validate resolves each", refused=(
+        ["nope"], [], ["tiny_sum", "tiny_sum"]))] = field(default_factory=lambda: ["tiny_sum"])
+    # one per func (empty: 1.0 each); summed
+    weights: Annotated[list[float], Items(Range())] = field(default_factory=list)
+    # time limit of one reward call on one sample (a cut call scores 0); 0: call the functions
+    #   in this process, no time limit (breakpoint() works in a reward)
+    timeout_s: Annotated[float, Range(0)] = 10.0
 
 
 SIGNATURE = "def fn(completion: str, example: dict) -> float"

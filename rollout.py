@@ -15,8 +15,10 @@ cache before the weights wastes the memory the new weights need.
 
 import logging
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import npu_ops
+from domains import DTYPE, FLAG, OneOf, Range
 from tracking import Mean, Sum
 
 log = logging.getLogger("grpo")
@@ -32,24 +34,33 @@ TESTED_VLLM = {
 
 @dataclass
 class RolloutConfig:
-    tp_size: int = 1  # tensor-parallel ranks per engine; world_size must be a multiple
-    dtype: str = "bfloat16"  # engine dtype, always explicit (vLLM silently runs fp32 ckpts in bf16)
-    max_model_len: int = 2048  # prompt + response tokens
-    max_num_seqs: int = 256  # concurrent sequences in the engine
-    gpu_memory_utilization: float = 0.5  # engine's share of device memory (weights + KV cache)
-    kv_cache_memory_bytes: int = 0  # >0: exact KV-cache size instead of the memory fraction
-    enforce_eager: bool = True  # no graph capture (graph capture needs its own env on Ascend)
-    enable_prefix_caching: bool = True  # the G samples of one prompt share its KV
-    enable_chunked_prefill: bool = True
-    block_size: int = 0  # KV-cache block in tokens; 0 = the platform's default (128 on CPU)
-    sleep_level: int = 2  # 2 = drop weights and KV cache; 1 = also copy weights to host (SLEEP)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    seed: int = 0  # per engine group: seed + index of the tensor-parallel group
-    sync_by: str = "unit"  # weight sync: one all-gather per FSDP "unit" or per "tensor"
-    seed_per_step: bool = False  # seed every request from (seed, step): reproducible runs and
-    #   bit-exact resume, but vLLM then samples with per-request generators (slower)
+    # tensor-parallel ranks per engine; world_size must be a multiple
+    tp_size: Annotated[int, Range(1)] = 1
+    # engine dtype, always explicit (vLLM silently runs fp32 checkpoints in bf16)
+    dtype: Annotated[str, DTYPE] = "bfloat16"
+    # prompt + response tokens; at most the model's positions (config.check_model)
+    max_model_len: Annotated[int, Range(2)] = 2048
+    max_num_seqs: Annotated[int, Range(1)] = 256  # concurrent sequences in the engine
+    # engine's share of device memory (weights + KV cache)
+    gpu_memory_utilization: Annotated[float, Range(0, 1, lo_open=True)] = 0.5
+    # >0: exact KV-cache size instead of the memory fraction; at least one request of
+    #   max_model_len tokens (config.check_model)
+    kv_cache_memory_bytes: Annotated[int, Range(0)] = 0
+    enforce_eager: Annotated[bool, FLAG] = True  # no graph capture (needs its own env on Ascend)
+    enable_prefix_caching: Annotated[bool, FLAG] = True  # G samples of one prompt share its KV
+    enable_chunked_prefill: Annotated[bool, FLAG] = True
+    # KV-cache block in tokens; 0 = the platform's default (128 on CPU)
+    block_size: Annotated[int, Range(0)] = 0
+    # 2 = drop weights and KV cache; 1 = also copy weights to host (SLEEP)
+    sleep_level: Annotated[int, OneOf(1, 2)] = 2
+    temperature: Annotated[float, Range(0, lo_open=True)] = 1.0  # 0 is no sampling distribution
+    top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
+    max_new_tokens: Annotated[int, Range(1)] = 512
+    seed: Annotated[int, Range(0)] = 0  # per engine group: seed + index of its group
+    # weight sync: one all-gather per FSDP "unit" or per "tensor"
+    sync_by: Annotated[str, OneOf("unit", "tensor")] = "unit"
+    seed_per_step: Annotated[bool, FLAG] = False  # seed every request from (seed, step):
+    #   reproducible runs and bit-exact resume, but vLLM samples with per-request generators
 
 
 # SLEEP: why level 2, the cheapest (no host copy of the weights, which every sync overwrites: ~7.6

@@ -12,24 +12,37 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
 
+from domains import Anything, OneOf, Range
+
 
 @dataclass
 class LogConfig:
-    out_dir: str = "runs/default"  # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
-    samples_every: int = 10  # write a few (prompt, completion, reward) rows every N steps
-    eval_every: int = 0  # eval on the held-out set every N steps and after the last (0: off)
-    eval_k: int = 0  # > 0: also mean@k, k samples per eval prompt at the rollout temperature
-    eval_examples: int = 4  # scored eval examples written to eval_samples.jsonl per eval
-    save_every: int = 0  # resumable checkpoint every N steps (0: none); HF export at the end
-    keep_checkpoints: int = 2  # newest complete checkpoints kept on disk
-    wandb: str = "disabled"  # online | offline (synced later with `wandb sync`) | disabled
-    wandb_project: str = "grpo"
-    run_name: str = ""  # wandb run name; empty: the last part of out_dir
-    wandb_tags: list[str] = field(default_factory=list)
+    # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
+    out_dir: Annotated[str, Anything("config.validate: a directory that can be written",
+                                     refused=("/etc/hostname/run",))] = "runs/default"
+    # write a few (prompt, completion, reward) rows every N steps (0: never)
+    samples_every: Annotated[int, Range(0)] = 10
+    # eval on the held-out set every N steps and after the last (0: off)
+    eval_every: Annotated[int, Range(0)] = 0
+    # > 0: also mean@k, k samples per eval prompt at the rollout temperature
+    eval_k: Annotated[int, Range(0)] = 0
+    # scored eval examples written to eval_samples.jsonl per eval
+    eval_examples: Annotated[int, Range(0)] = 4
+    # resumable checkpoint every N steps (0: none); HF export at the end
+    save_every: Annotated[int, Range(0)] = 0
+    keep_checkpoints: Annotated[int, Range(1)] = 2  # newest complete checkpoints kept on disk
+    # online | offline (synced later with `wandb sync`) | disabled
+    wandb: Annotated[str, OneOf("online", "offline", "disabled")] = "disabled"
+    wandb_project: Annotated[str, Anything("a name: wandb takes any")] = "grpo"
+    # wandb run name; empty: the last part of out_dir
+    run_name: Annotated[str, Anything("a name: wandb takes any")] = ""
+    wandb_tags: Annotated[list[str], Anything("names: wandb takes any")] = field(
+        default_factory=list)
 
 log = logging.getLogger("grpo")
 

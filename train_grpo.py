@@ -28,6 +28,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import npu_ops  # first: it sets the Ascend environment before torch (and its backends) load
 
@@ -47,6 +48,7 @@ import tiny_task
 import tracking
 import weight_sync
 from data import DataConfig
+from domains import FLAG, Range
 from episodes import EnvConfig
 from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
@@ -63,9 +65,10 @@ log = logging.getLogger("grpo")
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    seed: int = 0  # data order: step N draws the same prompts, resumed or not
-    resume: bool = False  # continue from the newest checkpoint in log.out_dir, if there is one
+    steps: Annotated[int, Range(1)] = 100
+    seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
+    # continue from the newest checkpoint in log.out_dir, if there is one
+    resume: Annotated[bool, FLAG] = False
 
 
 @dataclass
@@ -187,6 +190,7 @@ def setup(cfg: Config) -> Run:
             log.info("env %s=%s (%s)", name, value, source)
         config.validate(cfg, run.world)  # the checks that need no model: BadInput, in a second
         prepare_run(cfg, run.rank)
+        config.check_model(cfg)  # positions, KV cache, chat template: from the model's files
         config.check_host_memory(cfg, run.world)  # the parks' bytes: from config.json
         run.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         run.examples = data.load_examples(cfg.data, run.tokenizer)

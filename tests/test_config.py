@@ -66,23 +66,23 @@ def test_shipped_config_loads():
     ("--reward.funcs=nope", 1, "reward.funcs: 'nope'"),
     ("--reward.funcs=math,format --reward.weights=1.0", 1, "reward.weights"),
     ("--rollout.max_new_tokens=100", 1, "rollout.max_new_tokens=100 must be below"),
-    ("--rollout.dtype=float33", 1, "rollout.dtype='float33' is not a torch dtype"),
+    ("--rollout.dtype=float33", 1, "rollout.dtype='float33': use one of float32, bfloat16"),
     ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
     ("--model.offload=yes", 1, "model.offload='yes'"),
     ("--model.fused_kernels=fast", 1, "model.fused_kernels='fast'"),
     ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs torch_npu"),
     ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),
-    ("--rollout.sync_by=layer", 1, "rollout.sync_by='layer': use unit or tensor"),
+    ("--rollout.sync_by=layer", 1, "rollout.sync_by='layer': use one of unit, tensor"),
     ("--model.param_dtype=bfloat16", 1, "rollout.sync_by=unit gathers in model.param_dtype=bf"),
     ("--grpo.loss_agg=seq_sum", 1, "grpo.loss_agg='seq_sum': use one of"),
     ("--grpo.kl_estimator=k4", 1, "grpo.kl_estimator='k4'"),
     ("--grpo.is_correction=clip", 1, "grpo.is_correction='clip'"),
     ("--grpo.overlong=cut", 1, "grpo.overlong='cut'"),
-    ("--grpo.clip_low=1.5", 1, "grpo.clip_low=1.5 must be in"),
-    ("--grpo.mini_batches=1000", 2, "mini_batches=1000 between 1 and the samples per rank (256)"),
-    ("--grpo.ppo_epochs=0", 1, "grpo.ppo_epochs=0 must be >= 1"),
-    ("--grpo.kl_coef=-1", 1, "grpo.kl_coef=-1.0 must be >= 0"),
-    ("--grpo.is_cap=1", 1, "grpo.is_cap=1.0 must be > 1"),
+    ("--grpo.clip_low=1.5", 1, "grpo.clip_low=1.5: must be >= 0 and < 1"),
+    ("--grpo.mini_batches=1000", 2, "mini_batches=1000 must be between 1 and the samples per rank"),
+    ("--grpo.ppo_epochs=0", 1, "grpo.ppo_epochs=0: must be >= 1"),
+    ("--grpo.kl_coef=-1", 1, "grpo.kl_coef=-1.0: must be >= 0"),
+    ("--grpo.is_cap=1", 1, "grpo.is_cap=1.0: must be > 1"),
     ("--grpo.max_gen_rounds=3", 1, "max_gen_rounds=3: more than 1 needs grpo.dynamic_sampling"),
     ("--grpo.overlong=penalty", 1, "grpo.overlong=penalty needs 0 < grpo.overlong_buffer"),
     ("--env.name=nope", 1, "env.name: 'nope' is not a built-in (retry, python)"),
@@ -184,7 +184,9 @@ def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override
         validate(cfg, 2)
 
 
-@pytest.mark.parametrize("case", ["yaml", "jsonl", "column", "out_dir", "reward", "env", "empty"])
+@pytest.mark.parametrize("case", ["yaml", "jsonl", "column", "out_dir", "reward", "env", "empty",
+                                  "positions", "kv_cache", "chat_template", "temperature",
+                                  "max_new_tokens"])
 def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     """As a user runs it (plain python, world size 1): exit code 2, one `error:` line naming the
     field, no Python traceback, before any model loads."""
@@ -206,6 +208,16 @@ def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     base = ["--config", "configs/tiny_cpu.yaml", f"--model.path={tiny_task_dir}/model",
             "--data.tiny_task_dir=", f"--log.out_dir={tmp_path / 'run'}", "--log.eval_every=0"]
     args, says = {
+        # values the model's own files rule out, found before the engine starts
+        "positions": (base + [f"--data.path={good}", "--rollout.max_model_len=96",
+                              "--data.prompt_key=question"], "rollout.max_model_len=96"),
+        "kv_cache": (base + [f"--data.path={good}", "--rollout.kv_cache_memory_bytes=1000",
+                             "--data.prompt_key=question"], "rollout.kv_cache_memory_bytes=1000"),
+        "chat_template": (base + [f"--data.path={good}", "--data.chat_template=true",
+                                  "--data.prompt_key=question"], "data.chat_template=true"),
+        "temperature": (base + ["--rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
+        "max_new_tokens": (base + ["--rollout.max_new_tokens=-1"],
+                           "rollout.max_new_tokens=-1: must be >= 1"),
         "yaml": (["--config", str(bad_yaml)], "bad.yaml: line 3, column 2: not valid YAML"),
         "jsonl": (base + [f"--data.path={rows}"], "line 2 is not JSON"),
         "column": (base + [f"--data.path={good}"], "data.prompt_key='prompt' is not a column"),
@@ -248,3 +260,55 @@ def test_an_error_inside_another_library_keeps_its_traceback(tiny_task_dir, tmp_
     assert "Traceback" in out.stderr and "JSONDecodeError" in out.stderr
     assert "from_pretrained" in out.stderr  # raised inside transformers' loading
     assert not any(line.startswith("error: ") for line in out.stderr.splitlines())
+
+
+def test_every_field_has_a_domain_and_refuses_values_outside_it(tiny_task_dir):
+    """Walks the config tree: every field states its domain (config.fields raises for one that
+    does not), and each value outside it (zero, negative, non-finite, an unknown name, absurdly
+    large where a bound exists: domains.Domain.outside) ends in config.BadInput, one line naming
+    that field, before anything loads; a wrong type fails at load time, naming the field too."""
+    import copy
+    import dataclasses
+    import typing
+
+    base = load_config("configs/tiny_cpu.yaml", [f"--data.tiny_task_dir={tiny_task_dir}"])
+    validate(base, 1)  # the shipped values lie inside every domain
+    tried, walked = 0, 0
+    for name, value, domain, default in config.fields(base):
+        walked += 1
+        sec, key = name.split(".")
+        typ = typing.get_type_hints(type(getattr(base, sec)))[key]
+        assert domain.problem(default) is None, f"{name}: its default is outside its domain"
+        for bad in domain.outside():
+            if typ is int and not (isinstance(bad, int) and not isinstance(bad, bool)):
+                continue  # an int field: the type check refuses the rest
+            cfg = copy.deepcopy(base)
+            setattr(getattr(cfg, sec), key, float(bad) if typ is float else bad)
+            with pytest.raises(config.BadInput) as e:
+                validate(cfg, 1)
+            message = str(e.value)
+            assert name in message and len(message.splitlines()) == 1, (name, bad, message)
+            tried += 1
+        wrong = {int: "abc", float: "abc", bool: "maybe", str: None}.get(typ)
+        if typing.get_origin(typ) is list and typing.get_args(typ)[0] is float:
+            wrong = "1,abc"
+        if wrong is not None:
+            with pytest.raises(config.BadInput, match=re.escape(name)):
+                load_config(None, [f"--{name}={wrong}"])
+    sections = [getattr(base, f.name) for f in dataclasses.fields(base)]
+    assert walked == sum(len(dataclasses.fields(s)) for s in sections) and tried > 100, tried
+
+
+def test_a_field_without_a_domain_is_refused():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Section:
+        steps: int = 1  # no domain stated
+
+    @dataclasses.dataclass
+    class Tree:
+        train: Section = dataclasses.field(default_factory=Section)
+
+    with pytest.raises(TypeError, match="train.steps states no domain"):
+        list(config.fields(Tree()))

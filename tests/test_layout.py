@@ -11,19 +11,20 @@ from conftest import ROOT
 
 # file -> project modules it may import (README's Files table; tiny_task is the built-in task)
 ALLOWED = {
-    "npu_ops": set(), "plugins": set(), "rewards": {"plugins"}, "tiny_task": set(),
-    "data": {"config"}, "tracking": set(),
+    "npu_ops": set(), "plugins": set(), "domains": set(), "tiny_task": set(),
+    "rewards": {"plugins", "domains"}, "data": {"config", "domains"}, "tracking": {"domains"},
     "offload": {"npu_ops"},  # the actor parked in host memory, the guarded switch
-    "fsdp_utils": {"npu_ops", "offload"}, "checkpoint": {"npu_ops"},
-    "rollout": {"npu_ops", "tracking"},
+    "fsdp_utils": {"npu_ops", "offload", "domains"}, "checkpoint": {"npu_ops"},
+    "rollout": {"npu_ops", "tracking", "domains"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
-    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking"},
-    "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout"},
-    "config": {"npu_ops", "offload", "rewards", "grpo", "episodes"},
+    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking", "domains"},
+    "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout", "domains"},
+    "config": {"npu_ops", "offload", "rewards", "episodes", "domains"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
-                   "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload"},
+                   "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
+                   "domains"},
 }
 
 
@@ -75,7 +76,7 @@ def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
             "import grpo, config, tracking, checkpoint, data, plugins, envs, episodes, logprobs\n"
-            "import offload\n"
+            "import offload, domains\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
