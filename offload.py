@@ -44,21 +44,18 @@ import npu_ops
 log = logging.getLogger("grpo")
 
 
-def device_tensors(model: torch.nn.Module | None, optimizer=None) -> dict:
-    """{key: tensor} of what a park moves: each parameter's local shard and each buffer (of
+def device_tensors(model: torch.nn.Module | None, optimizer=None) -> list:
+    """What a park moves, in a fixed order: each parameter's local shard and each buffer (of
     `model`), each optimizer state tensor (Adam's moments), where it lives on the compute
-    device. Keys are stable from step to step."""
-    kind = npu_ops.device_type()
-    found = {}
+    device."""
+    found = []
+    if model is not None:
+        found += itertools.chain(model.parameters(), model.buffers())
+    for state in optimizer.state.values() if optimizer is not None else ():
+        found += [v for v in state.values() if torch.is_tensor(v)]
     with torch.no_grad():
-        if model is not None:
-            for i, t in enumerate(itertools.chain(model.parameters(), model.buffers())):
-                found["model", i] = t.to_local() if hasattr(t, "to_local") else t
-        for i, state in enumerate(optimizer.state.values() if optimizer is not None else ()):
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    found["optim", i, k] = v.to_local() if hasattr(v, "to_local") else v
-    return {k: t for k, t in found.items() if t.device.type == kind}
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in found]
+    return [t for t in local if t.device.type == npu_ops.device_type()]
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -86,7 +83,6 @@ class HostArena:
         self.chunks = [torch.empty(size, dtype=torch.uint8, pin_memory=pin)
                        for size in power_of_two_parts(nbytes)]
         self.starts = list(itertools.accumulate([0] + [c.numel() for c in self.chunks]))
-        self.nbytes = nbytes
 
     def pieces(self, offset: int, n: int):
         """(chunk slice, start within the range) for the bytes [offset, offset + n)."""
@@ -114,7 +110,7 @@ class HostPark:
         if model is not None:
             reshard(model)
         storages, seen = [], set()
-        for t in device_tensors(model, optimizer).values():
+        for t in device_tensors(model, optimizer):
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, or shared (tied)
                 continue

@@ -104,18 +104,21 @@ def push(model: torch.nn.Module, engine, before_weights=None, before_kv_cache=No
     state, then the actor, out of device memory there (offload.Switch), so that each wake finds
     the memory it needs. Returns {"bytes": sent, "seconds": s}, the seconds without the calls.
     """
-    t0 = time.perf_counter()
-    stats = {"bytes": 0}
-    dtype = getattr(torch, engine.cfg.dtype)
-    for when in ("weights", "kv_cache"):
-        call = before_weights if when == "weights" else before_kv_cache
+    t0, moves = time.perf_counter(), 0.0
+
+    def move(call):  # the switch's moves, timed apart from the sync
+        nonlocal moves
         if call is not None:
             t = time.perf_counter()
             call()
-            t0 += time.perf_counter() - t
-        engine.wake([when])
-        if when == "weights":
-            engine.load_weights(iter_full_params(model, dtype, stats,
-                                                 engine.cfg.sync_by == "unit"))
+            moves += time.perf_counter() - t
+
+    stats = {"bytes": 0}
+    move(before_weights)
+    engine.wake(["weights"])
+    engine.load_weights(iter_full_params(model, getattr(torch, engine.cfg.dtype), stats,
+                                         engine.cfg.sync_by == "unit"))
+    move(before_kv_cache)
+    engine.wake(["kv_cache"])
     npu_ops.synchronize()
-    return {"bytes": stats["bytes"], "seconds": time.perf_counter() - t0}
+    return {"bytes": stats["bytes"], "seconds": time.perf_counter() - t0 - moves}

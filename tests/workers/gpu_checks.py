@@ -58,7 +58,7 @@ samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
            for _ in range(8)]
 grpo.train_on_rollout(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
                       device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
-held = list(offload.device_tensors(actor, opt).values())
+held = offload.device_tensors(actor, opt)
 state_bytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
                                                          for t in held}.values())
 before = [t.cpu() for t in held]  # every element, to compare after the switch back
