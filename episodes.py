@@ -48,10 +48,7 @@ def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
     a one-line ValueError naming the field."""
     if not cfg.name:
         return
-    envs.resolve(cfg.name)
-    if cfg.max_turns < 1 or cfg.max_tokens < 1 or cfg.timeout_s < 0:
-        raise ValueError(f"env.max_turns={cfg.max_turns}, env.max_tokens={cfg.max_tokens} must be "
-                         f">= 1 and env.timeout_s={cfg.timeout_s} >= 0")
+    envs.resolve(cfg.name)  # (each field's own range: its domain, checked by config.validate)
     if max_prompt_len + cfg.max_tokens > max_model_len:
         raise ValueError(f"data.max_prompt_len + env.max_tokens must be <= rollout.max_model_len "
                          f"({max_prompt_len} + {cfg.max_tokens} > {max_model_len})")
