@@ -182,6 +182,7 @@ def validate(cfg, world_size: int) -> None:
          f"round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the same dtypes")
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         npu_ops.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
+        npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
         npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import kernels
 import npu_ops
 import offload
 from domains import DTYPE, FLAG, Anything, OneOf, Range
@@ -38,7 +39,7 @@ class ModelConfig:
     # auto: npu_ops picks the platform's fused attention; else a name transformers knows
     attn_implementation: Annotated[str, OneOf(
         "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention",
-        "packed_sdpa")] = "auto"
+        "packed_sdpa", "npu_fusion")] = "auto"
     # see npu_ops.kernel_path
     fused_kernels: Annotated[str, OneOf("auto", "fused", "reference", "off")] = "auto"
     # params + optimizer state in host memory while the engine generates: auto = on where the
@@ -108,16 +109,21 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return out[seq, :, pos].unsqueeze(0), None  # (1, N, h, d), as transformers' sdpa returns
 
 
-def register_packed_sdpa() -> str:
-    """Make "packed_sdpa" an attn_implementation of transformers. It has no mask function of its
-    own, so transformers builds no mask for it and hands it the attention_mask as given (None, or
-    a (B, T) padding mask that packed_sdpa makes causal itself): with a mask function,
-    transformers 5.19's create_causal_mask reads the position ids back to the host once per
-    forward (masking_utils.find_packed_sequence_indices)."""
+def register_attention(attn: str) -> str:
+    """The attn_implementation to build the actor with: "sdpa" becomes "packed_sdpa" (sdpa that
+    packed rows can use); "packed_sdpa" and npu_ops' fused attention are registered with
+    transformers. Neither has a mask function of its own, so transformers builds no mask for them
+    and hands them the attention_mask as given (None, or a (B, T) padding mask they make causal
+    themselves): with a mask function, transformers 5.19's create_causal_mask reads the position
+    ids back to the host once per forward (masking_utils.find_packed_sequence_indices)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register("packed_sdpa", packed_sdpa)
-    return "packed_sdpa"
+    attn = "packed_sdpa" if attn == "sdpa" else attn
+    if attn == "packed_sdpa":
+        AttentionInterface.register(attn, packed_sdpa)
+    elif attn == npu_ops.FUSION_ATTENTION:
+        AttentionInterface.register(attn, npu_ops.fusion_attention)
+    return attn
 
 
 # Model families, by config.json's model_type: where the decoder layers are (one FSDP unit each),
@@ -130,7 +136,7 @@ class Family:
     layers: str = "model.layers"
     embedding: str = "model.embed_tokens.weight"
     output: str = "lm_head.weight"
-    fused_kernels: bool = False  # npu_ops.patch_qwen applies
+    fused_kernels: bool = False  # kernels.patch_qwen applies
 
 
 FAMILIES = {
@@ -156,7 +162,7 @@ def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
     if mode == "auto" and not family(kind).fused_kernels:
         return [f"none (fused kernels are not written for model_type {kind!r}; left as "
                 "transformers builds it)"]
-    return npu_ops.patch_qwen(model, path)  # explicit fused/reference: raises for other models
+    return kernels.patch_qwen(model, path)  # explicit fused/reference: raises for other models
 
 
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
@@ -168,7 +174,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
-    attn = register_packed_sdpa() if attn == "sdpa" else attn  # sdpa that packed rows can use
+    attn = register_attention(attn)
     dtype = getattr(torch, cfg.param_dtype) if reference else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)

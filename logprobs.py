@@ -133,7 +133,8 @@ class MicroBatch:
 def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroBatch:
     """Lay out `samples` on the host. packed: one row of the samples end to end, position ids
     restarting at 0 for each, and the row's boundaries as transformers' flash attention takes
-    them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too; else a padded
+    them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too, plus the
+    samples' ends as host ints (packed_ends, for npu_ops.fusion_attention); else a padded
     batch, right-padded, with no attention mask: causal attention never lets a real token see the
     padding after it, and padded positions carry no loss. Either way no attention mask is built
     (see PREPARED_MASKS; config: the model's). The mask is 1 on the tokens the model wrote:
@@ -152,7 +153,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
         longest = int(lens.max())
         inputs = {"input_ids": ids, "position_ids": positions[None], "cu_seq_lens_q": cu,
-                  "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+                  "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+                  "packed_ends": tuple(cu[1:].tolist())}  # host ints: npu_ops.fusion_attention
     else:
         T = int(lens.max())
         starts = torch.arange(len(samples)) * T

@@ -5,8 +5,8 @@ Everything device-specific is decided here once, logged, and exposed as plain fu
 1. platform: device type (npu > cuda > cpu), process-group backend, local device, memory, sync;
 2. environment that depends on the config, set before the device initialises;
 3. checks: Ascend misconfigurations that would fail minutes into start-up or train on wrong numbers;
-4. fused kernels for Qwen2/Qwen3 (dense): RMSNorm, rotary embedding, SwiGLU MLP, each next to its
-   reference implementation, plus the choice of attention implementation.
+4. fused kernels for Qwen2/Qwen3 (dense): RMSNorm, rotary embedding, SwiGLU MLP, and attention
+   for packed rows on npu_fusion_attention; kernels.py holds their plain-torch references.
 
 CI runs the CPU paths and the wiring of every NPU branch (against stand-ins for torch_npu).
 Nothing here has been run on an Ascend NPU: the NPU facts come from the source of torch_npu 2.10,
@@ -341,7 +341,8 @@ def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# 4) fused kernels for Qwen2 / Qwen3 (dense): reference implementations next to the patches
+# 4) fused kernels for Qwen2 / Qwen3 (dense) and attention for packed rows. Their plain-torch
+#    references, and the patching of a model, are in kernels.py.
 
 KERNELS = None  # a torch_npu-like namespace; tests set a stand-in to exercise the fused path
 
@@ -354,29 +355,10 @@ def kernels():
     return torch_npu
 
 
-def rms_norm_reference(module, hidden_states):
-    """Qwen2/Qwen3 RMSNorm as transformers computes it: normalise in fp32, scale in input dtype."""
-    dtype = hidden_states.dtype
-    x = hidden_states.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * x.to(dtype)
-
-
 def rms_norm_fused(module, hidden_states):
     # torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd); gamma must match x's dtype
     x = hidden_states.to(module.weight.dtype)
     return kernels().npu_rms_norm(x, module.weight, epsilon=module.variance_epsilon)[0]
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotary_reference(q, k, cos, sin, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb: q, k (B, N, S, D); cos, sin (B, S, D)."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def rotary_fused(q, k, cos, sin, unsqueeze_dim=1):
@@ -387,26 +369,70 @@ def rotary_fused(q, k, cos, sin, unsqueeze_dim=1):
     return mul(q, cos, sin).to(q.dtype), mul(k, cos, sin).to(k.dtype)
 
 
-def swiglu_mlp_reference(module, x):
-    return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
-
-
 def swiglu_mlp_fused(module, x):
     # torch_npu.npu_swiglu(t, dim=-1) = silu(first half of t) * second half: cat([gate, up])
     gate_up = torch.cat((module.gate_proj(x), module.up_proj(x)), dim=-1)
     return module.down_proj(kernels().npu_swiglu(gate_up, dim=-1))
 
 
+FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention registers under
+
+
 def attention_implementation(requested: str) -> str:
-    """'auto' -> 'flash_attention_2' on NPU (transformers routes it to its wrappers around
-    torch_npu.npu_fusion_attention; not run here), 'sdpa' elsewhere."""
+    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here), 'sdpa' elsewhere."""
+    if requested == FUSION_ATTENTION and KERNELS is None and not npu_installed():
+        raise ValueError(f"model.attn_implementation={requested} needs torch_npu. Fix: auto")
     if requested != "auto":
         return requested
-    return "flash_attention_2" if device_type() == "npu" else "sdpa"
+    return FUSION_ATTENTION if device_type() == "npu" else "sdpa"
 
 
-PATHS = {"fused": (rms_norm_fused, swiglu_mlp_fused, rotary_fused),
-         "reference": (rms_norm_reference, swiglu_mlp_reference, rotary_reference)}
+@functools.cache
+def causal_mask(device) -> torch.Tensor:
+    """npu_fusion_attention's compressed causal mask for sparse_mode 2 and 3: 2048 x 2048, True
+    above the diagonal (= masked out), whatever the sequence length. Built once per device."""
+    return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
+
+
+def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     packed_ends=None, **kwargs):
+    """A transformers attention function (registered as FUSION_ATTENTION by fsdp_utils) on
+    torch_npu.npu_fusion_attention; query (B, heads, S, dim), key/value (B, kv heads, S, dim).
+    Returns (B, S, heads, dim).
+
+    A packed row (B = 1) comes with `packed_ends`: each sample's end in the row, a tuple of host
+    ints (logprobs.micro_batch), so no layer reads a boundary back from the device. It runs in
+    TND layout with actual_seq_qlen = actual_seq_kvlen = packed_ends and the compressed causal
+    mask (sparse_mode 3). Written against op-plugin's docs/context/torch_npu-npu_fusion_attention.md
+    (torch_npu 2.10 era): ends are cumulative, at most 1024 samples per row in TND, GQA allowed
+    (heads a multiple of kv heads). transformers' own route (5.5.4
+    integrations/npu_flash_attention.py, npu_flash_attn_varlen_func) reads cu_seqlens back with
+    .cpu() twice per layer instead. A padded batch runs in BNSD, causal; with a (B, S) padding
+    mask, with that mask made causal (sparse_mode 0). Not run on an NPU by this project: CI runs
+    it against a plain-torch stand-in of the kernel (kernels.fusion_attention_reference)."""
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("npu_fusion attention: sliding-window layers are not supported")
+    heads = query.shape[1]
+    common = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                  keep_prob=1.0 - (dropout if module.training else 0.0))
+    if packed_ends is not None:
+        if query.shape[0] != 1 or attention_mask is not None:
+            raise ValueError("npu_fusion attention: packed_ends is for one packed row, unmasked")
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, dim)
+        ends = list(packed_ends)
+        out = kernels().npu_fusion_attention(
+            q, k, v, heads, "TND", atten_mask=causal_mask(q.device), sparse_mode=3,
+            actual_seq_qlen=ends, actual_seq_kvlen=ends, **common)[0]
+        return out.unsqueeze(0), None
+    if attention_mask is None:
+        mask, mode = causal_mask(query.device), 3
+    else:  # (B, S): 1 = token, 0 = padding
+        S = query.shape[2]
+        keep = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+        mask, mode = ~(keep & attention_mask.bool()[:, None, None, :]), 0
+    out = kernels().npu_fusion_attention(query, key, value, heads, "BNSD", atten_mask=mask,
+                                         sparse_mode=mode, **common)[0]
+    return out.transpose(1, 2), None
 
 
 def kernel_path(mode: str):
@@ -421,30 +447,3 @@ def kernel_path(mode: str):
     if mode == "auto":
         return "fused" if device_type() == "npu" else None
     return None if mode == "off" else mode
-
-
-def patch_qwen(model, path: str = "fused") -> list:
-    """Route a Qwen2/Qwen3 model's RMSNorm, MLP and rotary embedding through `path`.
-
-    RMSNorm and MLP are patched on this model's module instances; the rotary function is a
-    module-level function of transformers' modeling file, so that patch holds for every model of
-    that architecture in the process. Returns what was patched, for the log.
-    """
-    rms_norm, mlp, rotary = PATHS[path]
-    modeling = sys.modules[type(model).__module__]
-    arch = type(model).__name__
-    if not hasattr(modeling, "apply_rotary_pos_emb") or "Qwen" not in arch or "Moe" in arch:
-        raise ValueError(f"fused kernels are written for dense Qwen2/Qwen3, not {arch}")
-    counts = {"RMSNorm": 0, "MLP": 0}
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(rms_norm, module)
-            counts["RMSNorm"] += 1
-        elif name.endswith("MLP"):
-            module.forward = types.MethodType(mlp, module)
-            counts["MLP"] += 1
-    modeling.apply_rotary_pos_emb = rotary
-    return [f"{counts['RMSNorm']} RMSNorm -> {rms_norm.__name__}",
-            f"{counts['MLP']} MLP -> {mlp.__name__}",
-            f"{modeling.__name__}.apply_rotary_pos_emb -> {rotary.__name__}"]

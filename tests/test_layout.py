@@ -14,7 +14,8 @@ ALLOWED = {
     "npu_ops": set(), "plugins": set(), "domains": set(), "tiny_task": set(),
     "rewards": {"plugins", "domains"}, "data": {"config", "domains"}, "tracking": {"domains"},
     "offload": {"npu_ops"},  # the actor parked in host memory, the guarded switch
-    "fsdp_utils": {"npu_ops", "offload", "domains"}, "checkpoint": {"npu_ops"},
+    "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
+    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels"}, "checkpoint": {"npu_ops"},
     "rollout": {"npu_ops", "tracking", "domains"},
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import kernels
 import npu_ops
 import tiny_task
 
@@ -78,7 +79,7 @@ def test_patched_model_equals_transformers(arch, path, restore_rotary):
     patched = copy.deepcopy(model)
     standin = StandInTorchNpu()
     npu_ops.KERNELS = standin
-    report = npu_ops.patch_qwen(patched, path)
+    report = kernels.patch_qwen(patched, path)
     got_logits, got_grads = forward_backward(patched, ids)
 
     assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
@@ -100,7 +101,7 @@ def test_fused_path_in_bf16_matches_reference(restore_rotary):
     ids = torch.randint(0, 15, (2, 7))
     want = model(input_ids=ids).logits
     npu_ops.KERNELS = StandInTorchNpu()
-    npu_ops.patch_qwen(model, "fused")
+    kernels.patch_qwen(model, "fused")
     assert torch.allclose(model(input_ids=ids).logits, want, atol=3e-2)
 
 
@@ -115,7 +116,7 @@ def test_kernel_choice(monkeypatch):
     assert npu_ops.attention_implementation("auto") == "sdpa"
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
     assert npu_ops.kernel_path("auto") == "fused"
-    assert npu_ops.attention_implementation("auto") == "flash_attention_2"
+    assert npu_ops.attention_implementation("auto") == "npu_fusion"
     assert npu_ops.attention_implementation("eager") == "eager"
     assert npu_ops.dist_backend() == "cpu:gloo,npu:hccl"
 
@@ -151,7 +152,7 @@ def test_patch_refuses_other_architectures():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="dense Qwen2/Qwen3, not LlamaForCausalLM"):
-        npu_ops.patch_qwen(model, "reference")
+        kernels.patch_qwen(model, "reference")
 
 
 def test_ascend_env_defaults():

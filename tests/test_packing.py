@@ -33,8 +33,8 @@ def world_of_one(tmp_path_factory):
 
 def model_for(arch):
     base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch=arch)
-    model = AutoModelForCausalLM.from_config(base.config,
-                                             attn_implementation=fsdp_utils.register_packed_sdpa())
+    attn = fsdp_utils.register_attention("sdpa")
+    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn)
     model.load_state_dict(base.state_dict())
     with torch.no_grad():  # non-trivial norms, so that a wrong position or mask would show
         for name, p in model.named_parameters():
