@@ -17,6 +17,7 @@ import torch
 
 import domains
 import episodes
+import kernels
 import npu_ops
 import offload
 import rewards
@@ -181,7 +182,7 @@ def validate(cfg, world_size: int) -> None:
          f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which would "
          f"round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the same dtypes")
     try:  # the other modules' own checks of their sections, each a one-line ValueError
-        npu_ops.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
+        kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
         npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
         npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
         rewards.validate(cfg.reward)  # every reward function resolves, in this process

@@ -40,7 +40,7 @@ class ModelConfig:
     attn_implementation: Annotated[str, OneOf(
         "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention",
         "packed_sdpa", "npu_fusion")] = "auto"
-    # see npu_ops.kernel_path
+    # see kernels.kernel_path
     fused_kernels: Annotated[str, OneOf("auto", "fused", "reference", "off")] = "auto"
     # params + optimizer state in host memory while the engine generates: auto = on where the
     # engine sleeps on an accelerator beside the actor, off on CPU
@@ -152,10 +152,10 @@ def family(model_type: str) -> Family:
 
 
 def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
-    """model.fused_kernels applied to `model` (npu_ops.kernel_path says which path); returns
+    """model.fused_kernels applied to `model` (kernels.kernel_path says which path); returns
     what was done, for the log. `auto` patches only the families whose row says the kernels are
     written for them and leaves any other model as transformers builds it."""
-    path = npu_ops.kernel_path(mode)
+    path = kernels.kernel_path(mode)
     kind = model.config.model_type
     if path is None:
         return ["none"]

@@ -82,6 +82,21 @@ def fusion_attention_reference(query, key, value, head_num, input_layout, atten_
     return (attend(query, key, value, mask),)
 
 
+def kernel_path(mode: str):
+    """model.fused_kernels -> which path to patch in: 'fused', 'reference' or None (leave the
+    model as transformers builds it). 'auto' is fused where npu_ops says so (an Ascend device)
+    and None elsewhere; 'reference' routes through the same patch points with the plain-torch
+    functions (to bisect numerics)."""
+    if mode not in ("auto", "fused", "reference", "off"):
+        raise ValueError(f"model.fused_kernels='{mode}': use auto, fused, reference or off")
+    if mode == "fused" and not npu_ops.has_kernels():
+        raise ValueError("model.fused_kernels=fused needs Ascend's kernel library. Fix: run "
+                         "scripts/setup_npu.sh on an Ascend machine, or use auto/reference/off")
+    if mode == "auto":
+        return "fused" if npu_ops.fused_by_default() else None
+    return None if mode == "off" else mode
+
+
 PATHS = {"fused": (npu_ops.rms_norm_fused, npu_ops.swiglu_mlp_fused, npu_ops.rotary_fused),
          "reference": (rms_norm_reference, swiglu_mlp_reference, rotary_reference)}
 

@@ -4,7 +4,8 @@ Everything device-specific is decided here once, logged, and exposed as plain fu
 0. the Ascend environment, set at import, before torch (and with it torch_npu) loads;
 1. platform: device type (npu > cuda > cpu), process-group backend, local device, memory, sync;
 2. environment that depends on the config, set before the device initialises;
-3. checks: Ascend misconfigurations that would fail minutes into start-up or train on wrong numbers;
+3. checks: Ascend misconfigurations that would fail minutes into start-up or train on wrong numbers
+   (ascend_checks.py: versions and variables, nothing of the device);
 4. fused kernels for Qwen2/Qwen3 (dense): RMSNorm, rotary embedding, SwiGLU MLP, and attention
    for packed rows on npu_fusion_attention; kernels.py holds their plain-torch references.
 
@@ -85,6 +86,8 @@ _TORCH_FIRST = "torch" in sys.modules  # then torch_npu (if installed) loaded be
 _OURS = _set_env_before_torch()  # name -> value this module set; setup_env adds to it
 
 import torch  # noqa: E402  (after the environment: this import also loads torch_npu)
+
+import ascend_checks  # noqa: E402
 
 log = logging.getLogger("grpo")
 
@@ -244,99 +247,49 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 
     return report
 
 
-def engine_kwargs() -> dict:
-    """Platform arguments for vLLM's LLM(). On NPU, vLLM-Ascend 0.23's CPU binding is off
-    (ascend_config.py enable_cpu_binding, default on; cpu_binding.py): after warm-up it runs
-    `taskset -acp` on the whole process (the trainer too), migrates its memory to the card's
-    NUMA node and may stop irqbalance: right for a server that owns the machine, not for a
-    training job. CPU_AFFINITY_CONF binds per card instead (ascend_env_defaults)."""
-    if device_type() == "npu":
-        return {"additional_config": {"enable_cpu_binding": False}}
-    return {}
+def engine_kwargs(versions: dict | None = None) -> dict:
+    """Platform arguments for vLLM's LLM(). On NPU: the weight NZ mode 0 in additional_config
+    where vLLM-Ascend reads it there (the variable stays set for older versions: section 0), and
+    vLLM-Ascend 0.23's CPU binding off (ascend_config.py enable_cpu_binding, default on;
+    cpu_binding.py): after warm-up it runs `taskset -acp` on the whole process (the trainer
+    too), migrates its memory to the card's NUMA node and may stop irqbalance: right for a
+    server that owns the machine, not for a training job. CPU_AFFINITY_CONF binds per card."""
+    if device_type() != "npu":
+        return {}
+    extra = {"enable_cpu_binding": False}
+    if (ascend_checks.release((versions or ascend_checks.installed_versions())["vllm-ascend"])
+            or ()) >= ascend_checks.NZ_CONFIG_SINCE:
+        extra["weight_nz_mode"] = 0
+    return {"additional_config": extra}
+
+
+def check_engine() -> str | None:
+    """After the engine starts, on NPU: the weight NZ mode vLLM-Ascend applied, read back from
+    its config (or, before weight_nz_mode, its variable). Raises unless 0: the first weight sync
+    would fail in wake_up. Returns the line for the start-up log; None elsewhere."""
+    if device_type() != "npu":
+        return None
+    from vllm_ascend.ascend_config import get_ascend_config
+
+    mode, source = getattr(get_ascend_config(), "weight_nz_mode", None), "additional_config"
+    if mode is None:
+        from vllm_ascend import envs
+
+        mode, source = envs.VLLM_ASCEND_ENABLE_NZ, "VLLM_ASCEND_ENABLE_NZ"
+    if mode:
+        raise ValueError(f"vLLM-Ascend's weight NZ mode is {mode} (from {source}): its wake_up "
+                         "raises unless it is 0. Fix: export VLLM_ASCEND_ENABLE_NZ=0")
+    return f"vLLM-Ascend weight NZ mode 0 (from {source})"
 
 
 # ----------------------------------------------------------------------------------------------
-# 3) checks (before any model loads)
-
-# Combinations vLLM-Ascend documents together (its versioning policy); the README repeats them.
-# None was run by this project: no NPU is reachable from its machines.
-TESTED_NPU_STACKS = [
-    {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"},
-]
-
-
-def installed_versions() -> dict:
-    """Versions of the engine stack, read from package metadata without importing anything."""
-    out = {}
-    for name in ("vllm", "vllm-ascend", "torch-npu"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def release(version: str | None) -> tuple | None:
-    """The release numbers of a PEP 440 version: '0.23.0+empty' (vLLM built for vLLM-Ascend's
-    image), '0.23.0.post1' and '0.23.0rc1' all give (0, 23, 0)."""
-    from packaging.version import Version
-
-    return Version(version).release if version else None
-
-
-def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0) -> list:
-    """Ascend misconfigurations, each as one line naming the setting and the fix.
-
-    Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
-    """
-    from packaging.version import Version
-
-    errors, warnings = [], []
-    if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
-        errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): torch_npu "
-                      "refuses graph capture at level 2. Fix: export TASK_QUEUE_ENABLE=1, or set "
-                      "rollout.enforce_eager=true")
-    if env.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
-        errors.append(f"VLLM_ASCEND_ENABLE_NZ={env.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
-                      "vLLM-Ascend's NPUWorker.wake_up raises whenever the weight NZ mode is not 0, "
-                      "so the first weight sync would fail. Fix: export VLLM_ASCEND_ENABLE_NZ=0")
-    if temperature != 1.0 or top_p != 1.0:
-        errors.append(f"rollout.temperature={temperature}, rollout.top_p={top_p}: vLLM-Ascend's "
-                      "sampler returns the logprobs of the raw logits whatever logprobs_mode says, "
-                      "so the mismatch correction (grpo.is_correction) and logp_gap would compare "
-                      "the wrong distributions. Fix: rollout.temperature=1.0 and rollout.top_p=1.0")
-    if "expandable_segments:true" in env.get("PYTORCH_NPU_ALLOC_CONF", "").replace(" ", "").lower():
-        errors.append("PYTORCH_NPU_ALLOC_CONF has expandable_segments:True, which vLLM-Ascend's "
-                      "sleep-mode memory pool rejects. Fix: unset it or use "
-                      "expandable_segments:False")
-    vllm, ascend, npu = versions.get("vllm"), versions.get("vllm-ascend"), versions.get("torch-npu")
-    if ascend and release(ascend) != (0, 0, 0) and vllm and release(ascend) != release(vllm):
-        want = ".".join(map(str, release(ascend)))
-        errors.append(f"vllm {vllm} with vllm-ascend {ascend}: vLLM-Ascend X.Y.Z runs on vLLM X.Y.Z "
-                      f"only. Fix: install vllm {want} (scripts/setup_npu.sh)")
-    documented = any(release(vllm) == release(s["vllm"]) and release(ascend) == release(
-        s["vllm-ascend"]) and npu and Version(npu).public == s["torch-npu"] for s in TESTED_NPU_STACKS)
-    if not errors and not documented:
-        tested = "; ".join(", ".join(f"{k} {v}" for k, v in s.items()) for s in TESTED_NPU_STACKS)
-        warnings.append(f"engine stack vllm {vllm}, vllm-ascend {ascend}, torch-npu {npu} is "
-                        f"outside the documented matrix ({tested}); run scripts/setup_npu.sh if "
-                        "anything misbehaves")
-    if graph_mode:  # vLLM-Ascend RFC #16322 (open): captured graphs can keep stale weight pointers
-        warnings.append("!" * 12 + " rollout.enforce_eager=false: graph mode with live weight sync "
-                        "is not yet safe on vLLM-Ascend (graph replays have failed after weight "
-                        "updates; generations may use stale weights). Fix: rollout.enforce_eager="
-                        "true " + "!" * 12)
-    if errors:
-        raise ValueError("Ascend configuration:\n  " + "\n  ".join(errors))
-    return warnings
-
+# 3) checks (before any model loads): ascend_checks.py holds them
 
 def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> None:
     """Run the checks of the platform this process is on; warnings go to the log."""
     if npu_installed():
-        for line in check_ascend(dict(os.environ), installed_versions(), graph_mode, temperature,
-                                 top_p):
+        for line in ascend_checks.check_ascend(dict(os.environ), ascend_checks.installed_versions(),
+                                               graph_mode, temperature, top_p):
             log.warning(line)
 
 
@@ -345,6 +298,16 @@ def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: fl
 #    references, and the patching of a model, are in kernels.py.
 
 KERNELS = None  # a torch_npu-like namespace; tests set a stand-in to exercise the fused path
+
+
+def has_kernels() -> bool:
+    """The fused kernels can be called: torch_npu is installed (or a stand-in is set)."""
+    return KERNELS is not None or npu_installed()
+
+
+def fused_by_default() -> bool:
+    """model.fused_kernels=auto means fused here: on an Ascend device."""
+    return device_type() == "npu"
 
 
 def kernels():
@@ -380,7 +343,7 @@ FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention
 
 def attention_implementation(requested: str) -> str:
     """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here), 'sdpa' elsewhere."""
-    if requested == FUSION_ATTENTION and KERNELS is None and not npu_installed():
+    if requested == FUSION_ATTENTION and not has_kernels():
         raise ValueError(f"model.attn_implementation={requested} needs torch_npu. Fix: auto")
     if requested != "auto":
         return requested
@@ -400,16 +363,14 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     torch_npu.npu_fusion_attention; query (B, heads, S, dim), key/value (B, kv heads, S, dim).
     Returns (B, S, heads, dim).
 
-    A packed row (B = 1) comes with `packed_ends`: each sample's end in the row, a tuple of host
-    ints (logprobs.micro_batch), so no layer reads a boundary back from the device. It runs in
-    TND layout with actual_seq_qlen = actual_seq_kvlen = packed_ends and the compressed causal
-    mask (sparse_mode 3). Written against op-plugin's docs/context/torch_npu-npu_fusion_attention.md
-    (torch_npu 2.10 era): ends are cumulative, at most 1024 samples per row in TND, GQA allowed
-    (heads a multiple of kv heads). transformers' own route (5.5.4
-    integrations/npu_flash_attention.py, npu_flash_attn_varlen_func) reads cu_seqlens back with
-    .cpu() twice per layer instead. A padded batch runs in BNSD, causal; with a (B, S) padding
-    mask, with that mask made causal (sparse_mode 0). Not run on an NPU by this project: CI runs
-    it against a plain-torch stand-in of the kernel (kernels.fusion_attention_reference)."""
+    A packed row (B = 1) comes with `packed_ends`, each sample's end in the row as host ints
+    (logprobs.micro_batch): TND layout, actual_seq_qlen = actual_seq_kvlen = packed_ends, the
+    compressed causal mask (sparse_mode 3); no boundary is read back from the device, where
+    transformers 5.5.4's route (integrations/npu_flash_attention.py) calls .cpu() twice a layer.
+    From op-plugin's docs/context/torch_npu-npu_fusion_attention.md: ends are cumulative, at most
+    1024 samples a row, kv heads divide heads. A padded batch runs in BNSD, causal (with a (B, S)
+    padding mask: that mask made causal, sparse_mode 0). Not run on an NPU by this project: CI
+    runs it on a plain-torch stand-in of the kernel (kernels.fusion_attention_reference)."""
     if kwargs.get("sliding_window") is not None:
         raise ValueError("npu_fusion attention: sliding-window layers are not supported")
     heads = query.shape[1]
@@ -433,17 +394,3 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     out = kernels().npu_fusion_attention(query, key, value, heads, "BNSD", atten_mask=mask,
                                          sparse_mode=mode, **common)[0]
     return out.transpose(1, 2), None
-
-
-def kernel_path(mode: str):
-    """model.fused_kernels -> which path to patch in: 'fused', 'reference' or None (leave the
-    model as transformers builds it). 'auto' is fused on NPU and None elsewhere; 'reference'
-    routes through the same patch points with the plain-torch functions (to bisect numerics)."""
-    if mode not in ("auto", "fused", "reference", "off"):
-        raise ValueError(f"model.fused_kernels='{mode}': use auto, fused, reference or off")
-    if mode == "fused" and KERNELS is None and not npu_installed():
-        raise ValueError("model.fused_kernels=fused needs torch_npu. Fix: run scripts/setup_npu.sh "
-                         "on an Ascend machine, or use auto/reference/off")
-    if mode == "auto":
-        return "fused" if device_type() == "npu" else None
-    return None if mode == "off" else mode

@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VLLM_TAG=v0.23.0           # rollout.TESTED_VLLM and npu_ops.TESTED_NPU_STACKS name this release
+VLLM_TAG=v0.23.0           # rollout.TESTED_VLLM and ascend_checks.TESTED_NPU_STACKS name this release
 VLLM_ASCEND=0.23.0
 TORCH=2.10.0
 TORCH_NPU=2.10.0.post4
@@ -51,4 +51,4 @@ if [ "$(installed vllm-ascend)" != "$VLLM_ASCEND" ]; then
 fi
 "$PY" -m pip install -r requirements-npu.txt
 # the start-up checks of the trainer, on the installed versions (no model, no device needed)
-"$PY" -c 'import npu_ops; v = npu_ops.installed_versions(); print(v); npu_ops.check_ascend({"VLLM_ASCEND_ENABLE_NZ": "0"}, v)'
+"$PY" -c 'import ascend_checks as a; v = a.installed_versions(); print(v); a.check_ascend({"VLLM_ASCEND_ENABLE_NZ": "0"}, v)'

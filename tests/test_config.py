@@ -70,7 +70,8 @@ def test_shipped_config_loads():
     ("--optim.schedule=linear", 1, "optim.schedule='linear'"),
     ("--model.offload=yes", 1, "model.offload='yes'"),
     ("--model.fused_kernels=fast", 1, "model.fused_kernels='fast'"),
-    ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs torch_npu"),
+    ("--model.fused_kernels=fused", 1, "model.fused_kernels=fused needs Ascend's kernel library"),
+    ("--model.attn_implementation=npu_fusion", 1, "model.attn_implementation=npu_fusion needs"),
     ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),
     ("--rollout.sync_by=layer", 1, "rollout.sync_by='layer': use one of unit, tensor"),
     ("--model.param_dtype=bfloat16", 1, "rollout.sync_by=unit gathers in model.param_dtype=bf"),
@@ -153,8 +154,8 @@ def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
     monkeypatch.setattr(npu_ops, "device_type", lambda: "cpu")
-    monkeypatch.setattr(npu_ops, "installed_versions",
-                        lambda: {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"})
+    monkeypatch.setattr(npu_ops.ascend_checks, "installed_versions",  # NZ from the variable only
+                        lambda: {"vllm": "0.18.0", "vllm-ascend": "0.18.0", "torch-npu": "2.9.0"})
     monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     cfg = load_config("configs/tiny_cpu.yaml", ["--rollout.enforce_eager=false"])
@@ -176,7 +177,7 @@ def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override
     cfg = load_config("configs/tiny_cpu.yaml", [override])
     validate(cfg, 2)  # CPU: vLLM honours logprobs_mode
     monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
-    monkeypatch.setattr(npu_ops, "installed_versions",
+    monkeypatch.setattr(npu_ops.ascend_checks, "installed_versions",
                         lambda: {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"})
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     with pytest.raises(ValueError, match=r"rollout.temperature=.*rollout.top_p=.*Fix: rollout."

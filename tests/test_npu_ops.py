@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import ascend_checks
 import kernels
 import npu_ops
 import tiny_task
@@ -106,16 +107,16 @@ def test_fused_path_in_bf16_matches_reference(restore_rotary):
 
 
 def test_kernel_choice(monkeypatch):
-    assert npu_ops.kernel_path("auto") is None  # CPU: leave the model as transformers builds it
-    assert npu_ops.kernel_path("off") is None
-    assert npu_ops.kernel_path("reference") == "reference"
-    with pytest.raises(ValueError, match="model.fused_kernels=fused needs torch_npu"):
-        npu_ops.kernel_path("fused")
+    assert kernels.kernel_path("auto") is None  # CPU: leave the model as transformers builds it
+    assert kernels.kernel_path("off") is None
+    assert kernels.kernel_path("reference") == "reference"
+    with pytest.raises(ValueError, match="model.fused_kernels=fused needs Ascend's kernel library"):
+        kernels.kernel_path("fused")
     with pytest.raises(ValueError, match="model.fused_kernels='fast'"):
-        npu_ops.kernel_path("fast")
+        kernels.kernel_path("fast")
     assert npu_ops.attention_implementation("auto") == "sdpa"
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
-    assert npu_ops.kernel_path("auto") == "fused"
+    assert kernels.kernel_path("auto") == "fused"
     assert npu_ops.attention_implementation("auto") == "npu_fusion"
     assert npu_ops.attention_implementation("eager") == "eager"
     assert npu_ops.dist_backend() == "cpu:gloo,npu:hccl"
@@ -188,11 +189,12 @@ def test_setup_env_defaults_and_user_override(monkeypatch):
     ("0.23.0rc1", (0, 23, 0)), ("0.23.0rc1+empty", (0, 23, 0)), ("0.23.1", (0, 23, 1)),
     ("2.10.0.post4", (2, 10, 0)), (None, None)])
 def test_release_numbers(version, numbers):
-    assert npu_ops.release(version) == numbers
+    assert ascend_checks.release(version) == numbers
 
 
 DOCUMENTED = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
 ENV = {"VLLM_ASCEND_ENABLE_NZ": "0"}  # what setup_env sets
+OLD = {"vllm": "0.18.0", "vllm-ascend": "0.18.0", "torch-npu": "2.9.0"}  # NZ mode from the variable
 
 
 @pytest.mark.parametrize("versions", [
@@ -201,13 +203,13 @@ ENV = {"VLLM_ASCEND_ENABLE_NZ": "0"}  # what setup_env sets
     {**DOCUMENTED, "vllm": "0.23.0rc1", "vllm-ascend": "0.23.0rc1"},
     {**DOCUMENTED, "torch-npu": "2.10.0.post4+git1a2b3c"}])
 def test_ascend_checks_accept_every_form_of_the_documented_stack(versions):
-    assert npu_ops.check_ascend(ENV, versions) == []
+    assert ascend_checks.check_ascend(ENV, versions) == []
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(graph_mode=True, env={**ENV, "TASK_QUEUE_ENABLE": "2"}), "TASK_QUEUE_ENABLE=2 with rollout"),
-    (dict(env={"VLLM_ASCEND_ENABLE_NZ": "1"}), "VLLM_ASCEND_ENABLE_NZ=1: vLLM-Ascend's NPUWorker.wake_up"),
-    (dict(env={}), r"VLLM_ASCEND_ENABLE_NZ=1 \(unset\)"),  # vLLM-Ascend's own default is 1
+    (dict(env={"VLLM_ASCEND_ENABLE_NZ": "1"}, versions=OLD), "VLLM_ASCEND_ENABLE_NZ=1: vLLM-Ascend's"),
+    (dict(env={}, versions=OLD), r"VLLM_ASCEND_ENABLE_NZ=1 \(unset\)"),  # its own default is 1
     (dict(temperature=0.7), "rollout.temperature=0.7, rollout.top_p=1.0: vLLM-Ascend's sampler"),
     (dict(top_p=0.95), "rollout.top_p=0.95"),
     (dict(env={**ENV, "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}), "expandable_segments"),
@@ -216,13 +218,13 @@ def test_ascend_checks_accept_every_form_of_the_documented_stack(versions):
 def test_ascend_checks_fail_fast(kwargs, message):
     args = {"env": ENV, "versions": DOCUMENTED, **kwargs}
     with pytest.raises(ValueError, match=message):
-        npu_ops.check_ascend(**args)
+        ascend_checks.check_ascend(**args)
 
 
 def test_ascend_checks_warn():
-    warnings = npu_ops.check_ascend(ENV, {**DOCUMENTED, "torch-npu": "2.9.0"})
+    warnings = ascend_checks.check_ascend(ENV, {**DOCUMENTED, "torch-npu": "2.9.0"})
     assert len(warnings) == 1 and "outside the documented matrix" in warnings[0]
-    warnings = npu_ops.check_ascend({**ENV, "TASK_QUEUE_ENABLE": "1"}, DOCUMENTED, graph_mode=True)
+    warnings = ascend_checks.check_ascend({**ENV, "TASK_QUEUE_ENABLE": "1"}, DOCUMENTED, graph_mode=True)
     assert len(warnings) == 1 and "graph mode with live weight sync is not yet safe" in warnings[0]
 
 
@@ -270,10 +272,44 @@ def test_memory_comes_from_the_device_module(monkeypatch):
     assert fake.emptied
 
 
-def test_engine_kwargs_switch_off_vllm_ascend_cpu_binding(monkeypatch):
+def test_engine_kwargs_switch_off_cpu_binding_and_the_nz_mode(monkeypatch):
+    """vLLM-Ascend takes weight_nz_mode in additional_config from 0.20.2rc1 on; before, only the
+    variable (which setup_env sets to 0, and which the checks demand there)."""
     assert npu_ops.engine_kwargs() == {}  # CPU
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
-    assert npu_ops.engine_kwargs() == {"additional_config": {"enable_cpu_binding": False}}
+    assert npu_ops.engine_kwargs(DOCUMENTED) == {
+        "additional_config": {"enable_cpu_binding": False, "weight_nz_mode": 0}}
+    for ascend in ("0.20.2rc1", "0.23.0+empty"):
+        extra = npu_ops.engine_kwargs({**OLD, "vllm-ascend": ascend})["additional_config"]
+        assert extra["weight_nz_mode"] == 0
+    assert npu_ops.engine_kwargs(OLD) == {"additional_config": {"enable_cpu_binding": False}}
+    # 0.23 with the variable left at its default: additional_config decides, so no error
+    assert ascend_checks.check_ascend({}, DOCUMENTED) == []
+
+
+@pytest.mark.parametrize("config, env, says", [
+    ({"weight_nz_mode": 0}, 1, "weight NZ mode 0 (from additional_config)"),
+    ({"weight_nz_mode": 2}, 0, "weight NZ mode is 2 (from additional_config)"),
+    ({}, 0, "weight NZ mode 0 (from VLLM_ASCEND_ENABLE_NZ)"),  # a version without the field
+    ({}, 1, "weight NZ mode is 1 (from VLLM_ASCEND_ENABLE_NZ)")])
+def test_check_engine_reads_back_the_applied_nz_mode(monkeypatch, config, env, says):
+    """After the engine starts: vLLM-Ascend's own config (vllm_ascend.ascend_config
+    get_ascend_config) says which mode applied; anything but 0 stops the run before wake_up."""
+    import types
+
+    pkg = types.ModuleType("vllm_ascend")
+    pkg.envs = types.SimpleNamespace(VLLM_ASCEND_ENABLE_NZ=env)
+    pkg.ascend_config = types.ModuleType("vllm_ascend.ascend_config")
+    pkg.ascend_config.get_ascend_config = lambda: types.SimpleNamespace(**config)
+    monkeypatch.setitem(sys.modules, "vllm_ascend", pkg)
+    monkeypatch.setitem(sys.modules, "vllm_ascend.ascend_config", pkg.ascend_config)
+    assert npu_ops.check_engine() is None  # CPU
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    if "is" in says:
+        with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            npu_ops.check_engine()
+    else:
+        assert says in npu_ops.check_engine()
 
 
 STANDIN_TORCH_NPU = """
@@ -359,7 +395,7 @@ def test_npu_install_pins_agree():
     var = dict(re.findall(r"^(VLLM_TAG|VLLM_ASCEND|TORCH|TORCH_NPU)=(\S+)", script, re.M))
     pins = dict(re.findall(r"^([a-z-]+)==(\S+)", open(os.path.join(ROOT, "requirements-npu.txt"))
                            .read(), re.M))
-    stack = npu_ops.TESTED_NPU_STACKS[0]
+    stack = ascend_checks.TESTED_NPU_STACKS[0]
     assert var["VLLM_TAG"] == "v" + stack["vllm"] and "vllm" not in pins  # vllm: from its tag
     assert var["VLLM_ASCEND"] == pins["vllm-ascend"] == stack["vllm-ascend"]
     assert var["TORCH_NPU"] == pins["torch-npu"] == stack["torch-npu"]

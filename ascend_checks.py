@@ -1,0 +1,86 @@
+"""Ascend start-up checks: misconfigurations that would fail minutes into start-up or train on
+wrong numbers, found from the environment variables and the installed packages' versions before
+any model loads. Nothing here imports torch, torch_npu or the engine; npu_ops runs them where
+torch_npu is installed (check_platform) and reads the engine's applied settings back itself."""
+
+import importlib.metadata
+
+# vLLM-Ascend reads the weight NZ mode from additional_config's weight_nz_mode from 0.20.2rc1 on
+# (ascend_config.py; VLLM_ASCEND_ENABLE_NZ is its deprecated fallback there), before from the
+# variable only (envs.py). NPUWorker.wake_up raises unless the mode is 0 (0.23 worker/worker.py).
+NZ_CONFIG_SINCE = (0, 20, 2)
+
+
+# Combinations vLLM-Ascend documents together (its versioning policy); the README repeats them.
+# None was run by this project: no NPU is reachable from its machines.
+TESTED_NPU_STACKS = [
+    {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"},
+]
+
+
+def installed_versions() -> dict:
+    """Versions of the engine stack, read from package metadata without importing anything."""
+    out = {}
+    for name in ("vllm", "vllm-ascend", "torch-npu"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def release(version: str | None) -> tuple | None:
+    """The release numbers of a PEP 440 version: '0.23.0+empty' (vLLM built for vLLM-Ascend's
+    image), '0.23.0.post1' and '0.23.0rc1' all give (0, 23, 0)."""
+    from packaging.version import Version
+
+    return Version(version).release if version else None
+
+
+def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0) -> list:
+    """Ascend misconfigurations, each as one line naming the setting and the fix.
+
+    Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
+    """
+    from packaging.version import Version
+
+    errors, warnings = [], []
+    if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
+        errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): torch_npu "
+                      "refuses graph capture at level 2. Fix: export TASK_QUEUE_ENABLE=1, or set "
+                      "rollout.enforce_eager=true")
+    vllm, ascend, npu = versions.get("vllm"), versions.get("vllm-ascend"), versions.get("torch-npu")
+    if env.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0" and (release(ascend) or ()) < NZ_CONFIG_SINCE:
+        errors.append(f"VLLM_ASCEND_ENABLE_NZ={env.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
+                      "vLLM-Ascend's NPUWorker.wake_up raises whenever the weight NZ mode is not 0, "
+                      f"so the first weight sync would fail (vllm-ascend {ascend} reads no "
+                      "weight_nz_mode). Fix: export VLLM_ASCEND_ENABLE_NZ=0")
+    if temperature != 1.0 or top_p != 1.0:
+        errors.append(f"rollout.temperature={temperature}, rollout.top_p={top_p}: vLLM-Ascend's "
+                      "sampler returns the logprobs of the raw logits whatever logprobs_mode says, "
+                      "so the mismatch correction (grpo.is_correction) and logp_gap would compare "
+                      "the wrong distributions. Fix: rollout.temperature=1.0 and rollout.top_p=1.0")
+    if "expandable_segments:true" in env.get("PYTORCH_NPU_ALLOC_CONF", "").replace(" ", "").lower():
+        errors.append("PYTORCH_NPU_ALLOC_CONF has expandable_segments:True, which vLLM-Ascend's "
+                      "sleep-mode memory pool rejects. Fix: unset it or use "
+                      "expandable_segments:False")
+    if ascend and release(ascend) != (0, 0, 0) and vllm and release(ascend) != release(vllm):
+        want = ".".join(map(str, release(ascend)))
+        errors.append(f"vllm {vllm} with vllm-ascend {ascend}: vLLM-Ascend X.Y.Z runs on vLLM X.Y.Z "
+                      f"only. Fix: install vllm {want} (scripts/setup_npu.sh)")
+    documented = any(release(vllm) == release(s["vllm"]) and release(ascend) == release(
+        s["vllm-ascend"]) and npu and Version(npu).public == s["torch-npu"] for s in TESTED_NPU_STACKS)
+    if not errors and not documented:
+        tested = "; ".join(", ".join(f"{k} {v}" for k, v in s.items()) for s in TESTED_NPU_STACKS)
+        warnings.append(f"engine stack vllm {vllm}, vllm-ascend {ascend}, torch-npu {npu} is "
+                        f"outside the documented matrix ({tested}); run scripts/setup_npu.sh if "
+                        "anything misbehaves")
+    if graph_mode:  # vLLM-Ascend RFC #16322 (open): captured graphs can keep stale weight pointers
+        warnings.append("!" * 12 + " rollout.enforce_eager=false: graph mode with live weight sync "
+                        "is not yet safe on vLLM-Ascend (graph replays have failed after weight "
+                        "updates; generations may use stale weights). Fix: rollout.enforce_eager="
+                        "true " + "!" * 12)
+    if errors:
+        raise ValueError("Ascend configuration:\n  " + "\n  ".join(errors))
+    return warnings
