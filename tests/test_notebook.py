@@ -11,6 +11,8 @@ import torch
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.engine
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_task_dir, tmp_path_factory):
     """{config: (metrics, parameters)} of tests/workers/caught_error.py with no error, made once."""
@@ -35,8 +37,9 @@ def caught_error_run(config: str, mode: str, task_dir: str, out: str):
         return json.load(f), torch.load(f"{out}/last.pt")
 
 
-@pytest.mark.parametrize("config, mode", [("tiny", "reward"), ("multiturn", "env"),
-                                          ("tiny", "generate")])
+@pytest.mark.parametrize("config, mode", [  # the npu-stack lane: the engine's own interruption
+    pytest.param("tiny", "reward", marks=pytest.mark.main_only),
+    pytest.param("multiturn", "env", marks=pytest.mark.main_only), ("tiny", "generate")])
 def test_a_caught_error_leaves_the_next_step_as_if_it_never_happened(
         uninterrupted, tiny_task_dir, tmp_path, config, mode):
     """A notebook with model.offload on and a reference: Ctrl-C inside a reward, inside an
@@ -54,6 +57,7 @@ def test_a_caught_error_leaves_the_next_step_as_if_it_never_happened(
     assert all(torch.equal(params[n], want_params[n]) for n in params)
 
 
+@pytest.mark.main_only  # the notebook's plumbing: no version enters beyond the other tests'
 def test_setup_leaves_the_callers_config_and_logging_and_close_always_ends_the_run(
         tiny_task_dir, tmp_path):
     """In one process, as a notebook: setup() works on a copy of the config it is given, adds

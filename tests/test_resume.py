@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,6 +19,7 @@ def rows(path):
     return [json.loads(line) for line in open(path)]
 
 
+@pytest.mark.engine
 def test_resume_matches_uninterrupted_run(tiny_task_dir, tmp_path):
     common = ["train_grpo.py", "--config", "configs/tiny_cpu.yaml",
               f"--data.tiny_task_dir={tiny_task_dir}", "--log.eval_every=0",
@@ -50,6 +52,8 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # the checkpoint's own file protocol; the exact resume covers torch's DCP
 def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
     """A run killed with SIGKILL while writing its step-4 checkpoint leaves step 2's complete,
     and --train.resume=true continues from it."""

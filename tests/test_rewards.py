@@ -8,6 +8,8 @@ import pytest
 
 import rewards
 
+pytestmark = pytest.mark.main_only  # plain Python and math-verify: no torch, no engine
+
 
 @pytest.mark.parametrize("completion, answer, expected", [
     ("7", "7", 1.0), (" 7\n", "7", 1.0), ("7<eos>", "7", 0.5), (" 7 and more", "7", 0.5),

@@ -4,8 +4,12 @@ import glob
 import json
 import os
 
+import pytest
+
 import tracking
 from train_grpo import Config
+
+pytestmark = pytest.mark.main_only  # rows, files and wandb: no torch or engine version enters
 
 
 class Bar:

@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 import tiny_task
@@ -99,6 +100,7 @@ def engine_with(fake):
     return engine
 
 
+@pytest.mark.engine
 def test_engine_guards_the_wake_order():
     import pytest
 
@@ -119,6 +121,7 @@ def test_engine_guards_the_wake_order():
                           ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
 
 
+@pytest.mark.engine
 def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
     """vLLM-Ascend maps the engine's memory at wake-up without emptying torch_npu's cache: the
     engine does it first, on every platform that sleeps, and records device memory around each
@@ -141,6 +144,7 @@ def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
                              "wake_kv_cache": (4.0, 5.0)}
 
 
+@pytest.mark.engine
 def test_a_sleeping_engine_wakes_before_it_shuts_down(monkeypatch):
     """vLLM's sleep-mode allocator fails (CUDA) or throws (Ascend) when the memory of a sleeping
     engine is freed: shutdown wakes what sleeps first, each tag once, and nothing that is awake."""
