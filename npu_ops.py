@@ -350,6 +350,12 @@ def attention_implementation(requested: str) -> str:
     return FUSION_ATTENTION if device_type() == "npu" else "sdpa"
 
 
+def transformers_attention() -> str:
+    """What plain transformers runs here: its flash_attention_2 wrappers of npu_fusion_attention
+    on NPU (the route fusion_attention replaces), sdpa elsewhere. bench/train_step.py's floor."""
+    return "flash_attention_2" if device_type() == "npu" else "sdpa"
+
+
 @functools.cache
 def causal_mask(device) -> torch.Tensor:
     """npu_fusion_attention's compressed causal mask for sparse_mode 2 and 3: 2048 x 2048, True

@@ -164,7 +164,7 @@ def bare_floor(path: str, plan: list, dtype, device, repeats: int) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32,
-        attn_implementation=npu_ops.attention_implementation("auto")).to(device)
+        attn_implementation=npu_ops.transformers_attention()).to(device)
     batches = []
     for batch in plan:
         ids = [t for s in batch for t in s.prompt_ids + s.response_ids]
