@@ -27,7 +27,7 @@ from typing import Annotated
 import envs
 import plugins
 import rollout
-from domains import Anything, Range
+from domains import Anything, OneOf, Range
 
 
 @dataclass
@@ -39,6 +39,10 @@ class EnvConfig:
     #   rollout.max_new_tokens
     max_tokens: Annotated[int, Range(1)] = 256
     timeout_s: Annotated[float, Range(0)] = 10.0  # one environment call's limit; 0: in-process
+    # a sample whose environment failed or was cut, or one of whose reward calls raised or timed
+    #   out: "drop" = out of the loss (its group's advantages computed without it, counted in
+    #   samples_dropped); "zero" = trained with reward 0, as any other sample
+    on_failure: Annotated[str, OneOf("drop", "zero")] = "drop"
     # the chat role of a reply given as text ("tool" for a tool's)
     reply_role: Annotated[str, Anything("any role the tokenizer's chat template renders")] = "user"
 

@@ -87,23 +87,38 @@ class GRPOConfig:
 # the math: small pure functions on tensors. Each variant names the paper it comes from.
 
 
-def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def constant_groups(rewards: torch.Tensor, group_size: int, valid=None) -> torch.Tensor:
     """(B*G,) rewards -> (B,) bool: groups whose rewards are all exactly equal. An exact test:
-    0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage."""
+    0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage.
+    With `valid` ((B*G,) bool), over each group's valid samples: fewer than two is no signal."""
     r = rewards.view(-1, group_size)
-    return (r == r[:, :1]).all(1)
+    if valid is None:
+        return (r == r[:, :1]).all(1)
+    v = valid.view(-1, group_size)
+    first = r.gather(1, v.to(torch.long).argmax(1, keepdim=True))  # a valid sample's reward
+    return ((r == first) | ~v).all(1) | (v.sum(1) < 2)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
-                     scale_by_std: bool = True) -> torch.Tensor:
+                     scale_by_std: bool = True, valid=None) -> torch.Tensor:
     """(B*G,) rewards, prompt-major -> (B*G,) advantages: r - mean of its group, divided by the
     group's unbiased std + eps (DeepSeekMath's GRPO), or not divided (Dr. GRPO: the std
-    re-weights prompts by difficulty). Constant groups get exactly 0."""
+    re-weights prompts by difficulty). Constant groups get exactly 0. `valid` ((B*G,) bool):
+    the samples that count (a failed environment or reward call does not): each group's mean
+    and std are its valid samples', as if the others were not there; those get 0."""
+    if valid is not None and bool(valid.all()):
+        valid = None
     r = rewards.view(-1, group_size)  # (B, G)
-    adv = r - r.mean(1, keepdim=True)
+    if valid is None:
+        adv, std = r - r.mean(1, keepdim=True), r.std(1, keepdim=True)
+    else:
+        v = valid.view(-1, group_size)
+        n = v.sum(1, keepdim=True)
+        adv = (r - (r * v).sum(1, keepdim=True) / n.clamp(min=1)) * v
+        std = (adv.square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
     if scale_by_std:
-        adv = adv / (r.std(1, keepdim=True) + eps)
-    return adv.masked_fill(constant_groups(rewards, group_size).unsqueeze(1), 0.0).view(-1)
+        adv = adv / (std + eps)
+    return adv.masked_fill(constant_groups(rewards, group_size, valid).unsqueeze(1), 0.0).view(-1)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float):
@@ -231,6 +246,14 @@ def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[in
     all engine groups, taken in engine-group order (kept[e]: engine group e's count)."""
     quota = min(kept[engine_idx], max(0, target - sum(kept[:engine_idx])))
     return [b for b, k in enumerate(keep) if k][:quota]
+
+
+def trained_samples(groups: list, group_size: int, dropped: list, truncated: list,
+                    mask_overlong: bool) -> list[int]:
+    """The samples of `groups` the update takes: not dropped (a failed environment or reward
+    call), and with grpo.overlong=mask, not cut at the length limit."""
+    return [i for b in groups for i in range(b * group_size, (b + 1) * group_size)
+            if not dropped[i] and not (mask_overlong and truncated[i])]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -176,8 +176,9 @@ class Scorer:
 
     def score(self, texts: list[str], examples: list[dict], failed: list[bool] = ()) -> dict:
         """{"reward": weighted sum per sample, "by_name": {spec: unweighted values per sample},
-        "errors": calls that failed, "timeouts": calls cut at timeout_s}; those calls score 0,
-        and so does every sample marked `failed` (an episode whose environment failed)."""
+        "errors": calls that failed, "timeouts": calls cut at timeout_s, "failed": per sample,
+        whether one of its calls failed or was cut}; those calls score 0, and so does every
+        sample marked `failed` (an episode whose environment failed)."""
         if len(texts) != len(examples):
             raise ValueError(f"Scorer.score: {len(texts)} texts but {len(examples)} examples")
         n, nf = len(texts), len(self.specs)
@@ -188,7 +189,9 @@ class Scorer:
             if isinstance(v, float) and not (failed and failed[k // nf]):
                 values[k % nf][k // nf] = v
         reward = [sum(w * vals[i] for w, vals in zip(self.weights, values)) for i in range(n)]
+        bad = [not isinstance(v, float) for v in outcomes]
         return {"reward": reward, "by_name": dict(zip(self.specs, values)),
+                "failed": [any(bad[i * nf:(i + 1) * nf]) for i in range(n)],
                 "errors": sum(v is plugins.Failed for v in outcomes),
                 "timeouts": sum(v is TimeoutError for v in outcomes)}
 

@@ -115,6 +115,8 @@ class Rollout:
     by_name: dict[str, list[float]] = field(default_factory=dict)  # each function, per sample
     constant: list[bool] = field(default_factory=list)  # per group: all rewards equal, no signal
     keep: list[bool] = field(default_factory=list)  # per group: may go into the update
+    # per sample: out of the loss, its environment or a reward call having failed (env.on_failure)
+    dropped: list[bool] = field(default_factory=list)
     errors: int = 0  # reward calls that failed (scored 0)
     timeouts: int = 0  # reward calls cut at reward.timeout_s (scored 0)
     rounds: int = 0  # generation rounds (dynamic sampling draws fresh prompts)
@@ -131,7 +133,7 @@ class Rollout:
     def extend(self, other: "Rollout") -> None:
         """Append another round's samples and counts."""
         for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep", "turns",
-                     "failed", "limited"):
+                     "failed", "limited", "dropped"):
             getattr(self, name).extend(getattr(other, name))
         for name, values in other.by_name.items():
             self.by_name.setdefault(name, []).extend(values)
@@ -157,6 +159,7 @@ class Rollout:
              "groups_constant": Sum(first * sum(self.constant)),
              "groups_trained": Sum(first * groups_trained),
              "samples_trained": Sum(first * len(self.trained)),
+             "samples_dropped": Sum(first * sum(self.dropped)),
              "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
         if len(self.by_name) > 1:  # each reward function's mean, beside their weighted sum
             m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)

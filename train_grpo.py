@@ -272,8 +272,8 @@ def train_step(run: Run, return_rollout: bool = False):
         run.engine.sleep()  # frees weights + KV cache where the platform can
         times["sleep"] = time.perf_counter() - t
     groups = grpo.take_groups(ro.keep, kept, run.engine_idx, g.prompts_per_step)
-    ro.trained = [b * g.group_size + j for b in groups for j in range(g.group_size)
-                  if not (g.overlong == "mask" and ro.samples[b * g.group_size + j].truncated)]
+    ro.trained = grpo.trained_samples(groups, g.group_size, ro.dropped,
+                                      [s.truncated for s in ro.samples], g.overlong == "mask")
 
     # 3) update: this rank trains on its 1/tp share of the kept samples
     t = time.perf_counter()
@@ -343,9 +343,10 @@ def draw_prompts(run: Run, drawn: int) -> tuple[list[dict], int]:
 
 
 def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
-    """One round's rollout scored: its rewards (0 for an episode whose environment failed),
-    shaped (overlong penalty) into advantages within each group of G. Every rank of an engine
-    group gets the same."""
+    """One round's rollout scored: its rewards, shaped (overlong penalty) into advantages within
+    each group of G. A sample whose environment or a reward call failed scores 0 and, with
+    env.on_failure=drop, is left out of its group's advantages and the loss. Every rank of an
+    engine group gets the same."""
     g, G = run.cfg.grpo, run.cfg.grpo.group_size
     out = run.scorer.score(ro.texts, ro.examples, ro.failed)
     ro.scores, ro.by_name = out["reward"], out["by_name"]
@@ -355,9 +356,12 @@ def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
         limit = run.cfg.env.max_tokens if run.cfg.env.name else run.cfg.rollout.max_new_tokens
         shaped += grpo.overlong_penalty(lengths, limit, g.overlong_buffer,
                                         g.overlong_penalty_factor)
-    ro.constant = grpo.constant_groups(shaped, G).tolist()  # (B,)
+    env_failed, drop = ro.failed or [False] * len(ro.scores), run.cfg.env.on_failure == "drop"
+    ro.dropped = [drop and (e or r) for e, r in zip(env_failed, out["failed"])]
+    valid = ~torch.tensor(ro.dropped, dtype=torch.bool)
+    ro.constant = grpo.constant_groups(shaped, G, valid).tolist()  # (B,)
     ro.keep = [not (c and g.dynamic_sampling) for c in ro.constant]  # constant: no gradient
-    ro.adv = grpo.group_advantages(shaped, G, g.adv_eps, g.scale_adv_by_std).tolist()
+    ro.adv = grpo.group_advantages(shaped, G, g.adv_eps, g.scale_adv_by_std, valid).tolist()
     ro.errors, ro.timeouts = out["errors"], out["timeouts"]
     return ro
 

@@ -191,8 +191,9 @@ def test_scorer_weighted_sum_errors_and_file_plugin(plugin):
                                   funcs[2]: [1, 1, 1, 0, 0, 0]}
         assert out["reward"] == [1.75, 0.75, 1.25, 0.0, 0.0, 0.0]
         assert out["errors"] == 3 and out["timeouts"] == 0
+        assert out["failed"] == [False, False, False, True, True, True]
         assert scorer.score([], []) == {"reward": [], "by_name": {f: [] for f in funcs},
-                                        "errors": 0, "timeouts": 0}
+                                        "failed": [], "errors": 0, "timeouts": 0}
 
 
 def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
@@ -232,6 +233,7 @@ def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
         assert out["by_name"]["my_reward_mod:hang"] == [1, 1, 0, 1, 1, 1]
         assert out["reward"] == [2, 1, 0, 2, 1, 2]
         assert out["timeouts"] == 1 and out["errors"] == 0
+        assert out["failed"] == [False, False, True, False, False, False]
         print(f"batch with one hung call: {took:.2f} s")
 
 
@@ -240,6 +242,7 @@ def test_scorer_survives_the_worker_dying(plugin):
     with rewards.Scorer(cfg) as scorer:
         out = scorer.score(["a", "crash", "b"], [{}] * 3)
         assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0
+        assert out["failed"] == [False, True, False]
         proc = scorer.worker._proc
     assert not proc.is_alive()  # close() reaped it
 
