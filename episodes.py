@@ -64,7 +64,7 @@ class Replies:
     the template renders a message of its role, then the template's opening of the next
     assistant turn. Plain text otherwise: the reply's tokens, as they are."""
 
-    MARK = "\x1e"  # stands for an assistant turn's content, to find where the template ends it
+    MARK = "\x1e"  # stands for a message's content, to find where the template puts it
 
     def __init__(self, tokenizer, chat_template: bool, role: str):
         self.tokenizer, self.chat, self.role = tokenizer, chat_template, role
@@ -83,19 +83,31 @@ class Replies:
         """An environment's reply (envs.as_reply) as a chat message: role None -> env.reply_role."""
         return {"role": reply["role"] or self.role, "content": reply["content"]}
 
+    def encode(self, text: str, as_text: bool = False) -> list[int]:
+        """as_text: a special token's spelling in `text` stays text (a reply that prints
+        `<|im_end|>` forges no turn boundary); else the template's own special tokens count."""
+        return self.tokenizer(text, add_special_tokens=False,
+                              split_special_tokens=as_text)["input_ids"]
+
     def tokens(self, message: dict, last_token: int | None) -> list[int]:
         """The tokens that follow a model turn which ended with `last_token` (its stop token;
-        None for a turn cut at its length limit): the reply `message` and, with a template, the
-        turn boundaries around it."""
+        None for a turn cut at its length limit): the reply `message`, as text, and with a
+        template the turn boundaries around it, with their special tokens."""
         message = self.message(message)
         if not self.chat:
-            return self.tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+            return self.encode(message["content"], as_text=True)
         head = self.render(self.prefix)
-        full = self.render(self.prefix + [message], generation_prompt=True)
+        full = self.render(self.prefix + [{**message, "content": self.MARK}],
+                           generation_prompt=True)[len(head):]
+        if full.count(self.MARK) != 1:
+            raise ValueError(f"the chat template renders a {message['role']!r} message's content "
+                             "other than once, as is: env.reply_role or the template")
         stop = "" if last_token is None else self.tokenizer.decode([last_token])
         end = self.after_turn[len(stop):] if stop and self.after_turn.startswith(stop) else (
             self.after_turn)
-        return self.tokenizer(end + full[len(head):], add_special_tokens=False)["input_ids"]
+        before, after = full.split(self.MARK)
+        return (self.encode(end + before) + self.encode(message["content"], as_text=True)
+                + self.encode(after))
 
 
 class Episode:
