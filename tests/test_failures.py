@@ -3,13 +3,12 @@ and its group's advantages are those of the group without it (env.on_failure=dro
 
 import statistics
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import grpo
 import tiny_task
 from rollout import Sample
+from test_packing import world_of_one  # noqa: F401 (fixture)
 
 
 def test_advantages_over_the_valid_samples_equal_a_naive_loop():
@@ -45,14 +44,6 @@ def test_trained_samples_leave_out_the_dropped_and_with_mask_the_cut():
     truncated = [False, False, True, False, False, False, False, True]
     assert grpo.trained_samples([0, 1], 4, dropped, truncated, False) == [0, 2, 3, 4, 5, 7]
     assert grpo.trained_samples([1], 4, dropped, truncated, True) == [4, 5]
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def gradients(model, samples, adv):
