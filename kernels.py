@@ -55,7 +55,7 @@ def fusion_attention_reference(query, key, value, head_num, input_layout, atten_
     if keep_prob != 1.0:
         raise NotImplementedError("fusion_attention_reference: no dropout")
     axis = -2 if input_layout == "TND" else 1  # the heads
-    assert query.shape[axis] == head_num and head_num % key.shape[axis] == 0, (query.shape, key.shape)
+    assert query.shape[axis] == head_num and head_num % key.shape[axis] == 0, key.shape
 
     def attend(q, k, v, mask):  # q (..., N, S, D); k, v (..., Nkv, S, D); mask True = out
         groups = q.shape[-3] // k.shape[-3]

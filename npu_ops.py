@@ -16,12 +16,10 @@ vLLM-Ascend 0.23.0 and transformers, named where they are used.
 
 import functools
 import gc
-import importlib.metadata
 import importlib.util
 import logging
 import os
 import sys
-import types
 
 # ----------------------------------------------------------------------------------------------
 # 0) the Ascend environment, before torch loads

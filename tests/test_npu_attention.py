@@ -155,8 +155,8 @@ def test_a_packed_forward_reads_nothing_back_from_the_device(standin):
     with torch.no_grad(), HostReads() as mode:
         fused(**mb.inputs)
     assert mode.reads == []
-    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(fused.config),
-                                            attn_implementation=fsdp_utils.register_attention("sdpa"))
+    attn = fsdp_utils.register_attention("sdpa")
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(fused.config), attn_implementation=attn)
     inputs = {k: v for k, v in mb.inputs.items() if not k.startswith(("cu_", "max_"))}
     with torch.no_grad(), HostReads() as mode:
         sdpa(**inputs)
