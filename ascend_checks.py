@@ -1,7 +1,8 @@
 """Ascend start-up checks: misconfigurations that would fail minutes into start-up or train on
 wrong numbers, found from the environment variables and the installed packages' versions before
-any model loads. Nothing here imports torch, torch_npu or the engine; npu_ops runs them where
-torch_npu is installed (check_platform) and reads the engine's applied settings back itself."""
+any model loads. Nothing here imports torch, the torch-npu package or the engine, or calls the
+device; npu_ops runs these checks where torch-npu is installed (check_platform) and reads the
+engine's applied settings back itself."""
 
 import importlib.metadata
 
@@ -47,9 +48,9 @@ def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperatur
 
     errors, warnings = [], []
     if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
-        errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): torch_npu "
-                      "refuses graph capture at level 2. Fix: export TASK_QUEUE_ENABLE=1, or set "
-                      "rollout.enforce_eager=true")
+        errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): "
+                      "torch-npu refuses graph capture at level 2. Fix: export "
+                      "TASK_QUEUE_ENABLE=1, or set rollout.enforce_eager=true")
     vllm, ascend, npu = versions.get("vllm"), versions.get("vllm-ascend"), versions.get("torch-npu")
     if env.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0" and (release(ascend) or ()) < NZ_CONFIG_SINCE:
         errors.append(f"VLLM_ASCEND_ENABLE_NZ={env.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
