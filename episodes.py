@@ -27,7 +27,7 @@ from typing import Annotated
 import envs
 import plugins
 import rollout
-from domains import Anything, OneOf, Range
+from domains import FLAG, Anything, OneOf, Range
 
 
 @dataclass
@@ -39,12 +39,19 @@ class EnvConfig:
     #   rollout.max_new_tokens
     max_tokens: Annotated[int, Range(1)] = 256
     timeout_s: Annotated[float, Range(0)] = 10.0  # one environment call's limit; 0: in-process
+    # worker processes that call a plain function at once (a call each); ignored with timeout_s 0
+    workers: Annotated[int, Range(1)] = 1
+    # calls of an `async def` environment in flight at once, in one worker's event loop
+    concurrency: Annotated[int, Range(1)] = 64
     # a sample whose environment failed or was cut, or one of whose reward calls raised or timed
     #   out: "drop" = out of the loss (its group's advantages computed without it, counted in
     #   samples_dropped); "zero" = trained with reward 0, as any other sample
     on_failure: Annotated[str, OneOf("drop", "zero")] = "drop"
     # the chat role of a reply given as text ("tool" for a tool's)
     reply_role: Annotated[str, Anything("any role the tokenizer's chat template renders")] = "user"
+    # name "python": run it although the host lacks file or network isolation for the model's
+    #   code (sandbox.missing() names what is missing; the run says it at start-up)
+    unsafe_ok: Annotated[bool, FLAG] = False
 
 
 def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:

@@ -126,6 +126,10 @@ class RewardConfig:
     # time limit of one reward call on one sample (a cut call scores 0); 0: call the functions
     #   in this process, no time limit (breakpoint() works in a reward)
     timeout_s: Annotated[float, Range(0)] = 10.0
+    # worker processes that call plain functions at once (a call each); ignored with timeout_s 0
+    workers: Annotated[int, Range(1)] = 1
+    # calls of `async def` rewards in flight at once, in one worker's event loop
+    concurrency: Annotated[int, Range(1)] = 64
 
 
 SIGNATURE = "def fn(completion: str, example: dict) -> float"
