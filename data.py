@@ -207,9 +207,10 @@ def _is_messages(prompt) -> bool:
         for m in prompt))
 
 
-def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
-    """Token ids of one prompt (text or chat messages) with data.prompt_suffix and
-    data.system_prompt, through the chat template if data.chat_template. `where` names the row."""
+def prompt_messages(cfg: DataConfig, prompt, where: str) -> list[dict]:
+    """The conversation the model sees for one prompt (text, or chat messages with
+    data.chat_template): data.prompt_suffix at the end of its last user turn, data.system_prompt
+    as a first system turn unless the row has its own. `where` names the row in errors."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif _is_messages(prompt):
@@ -228,12 +229,21 @@ def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
                               f"Fix: add one to the data or set data.prompt_suffix=''")
     if users:
         users[-1]["content"] += cfg.prompt_suffix
-    if not cfg.chat_template:
-        text = messages[0]["content"]
-        text = f"{cfg.system_prompt}\n\n{text}" if cfg.system_prompt else text
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if cfg.system_prompt and messages[0]["role"] != "system":  # the row's own system turn wins
         messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return messages
+
+
+def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
+    """Token ids of one prompt's conversation (prompt_messages): through the chat template if
+    data.chat_template, else its texts joined by a blank line (the system prompt, the prompt)."""
+    return _ids(cfg, tokenizer, prompt_messages(cfg, prompt, where))
+
+
+def _ids(cfg: DataConfig, tokenizer, messages: list[dict]) -> list[int]:
+    if not cfg.chat_template:
+        text = "\n\n".join(m["content"] for m in messages)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=False)
     # transformers 5 returns a BatchEncoding unless return_dict=False; older ones a list
@@ -243,7 +253,8 @@ def prompt_ids(cfg: DataConfig, tokenizer, prompt, where: str) -> list[int]:
 def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
                   path: str | None = None) -> list[dict]:
     """The examples of `path` (default data.path) / `split` (default data.split), in the dataset's
-    order: each row as a dict plus "prompt_ids" (list[int]) and "answer" (the preset's gold
+    order: each row as a dict plus "prompt_ids" (list[int]), "prompt_messages" (the conversation
+    those ids render, prompt_messages) and "answer" (the preset's gold
     extraction of data.answer_key's value, else that value as a string; None if answer_key is "").
     Rows with a prompt over data.max_prompt_len tokens, or no gold the preset can extract, are
     dropped and counted in the log. data.preset is applied here too (apply_preset)."""
@@ -265,7 +276,8 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
                                   "them")
     examples, too_long, no_gold = [], 0, 0
     for i, row in enumerate(ds):
-        ids = prompt_ids(cfg, tokenizer, row[cfg.prompt_key], f"{field}={path} row {i}")
+        messages = prompt_messages(cfg, row[cfg.prompt_key], f"{field}={path} row {i}")
+        ids = _ids(cfg, tokenizer, messages)
         answer = None
         if cfg.answer_key:
             raw = row[cfg.answer_key]
@@ -276,7 +288,7 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue
-        examples.append({**row, "prompt_ids": ids, "answer": answer})
+        examples.append({**row, "prompt_ids": ids, "answer": answer, "prompt_messages": messages})
     log.info("data: %d examples from %s (split %s), %d dropped as longer than "
              "data.max_prompt_len=%d, %d without a gold answer", len(examples), path, split,
              too_long, cfg.max_prompt_len, no_gold)

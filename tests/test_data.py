@@ -77,7 +77,8 @@ def sources(tmp_path, rows) -> dict:
 
 def test_every_source_kind_gives_the_same_examples(tmp_path, tok):
     cfg = DataConfig(prompt_suffix=" ok")
-    expected = [{**r, "prompt_ids": char_ids(tok, r["prompt"] + " ok"), "answer": r["answer"]}
+    expected = [{**r, "prompt_ids": char_ids(tok, r["prompt"] + " ok"), "answer": r["answer"],
+                 "prompt_messages": [{"role": "user", "content": r["prompt"] + " ok"}]}
                 for r in ROWS]
     for kind, (path, split) in sources(tmp_path, ROWS).items():
         got = load_examples(dataclasses.replace(cfg, path=path, split=split), tok)
@@ -112,6 +113,9 @@ def test_chat_messages_with_system_prompt_and_suffix_in_last_user_turn(tmp_path,
         tok, "<|system|>Be brief.\n<|user|>5+5= Go.\n<|assistant|>")
     assert all(type(i) is int for i in got[0]["prompt_ids"])
     assert got[0]["prompt"][2]["content"] == "3+3="  # the row itself is not edited
+    # the conversation the ids render, for environments and rewards
+    assert got[0]["prompt_messages"] == [{"role": "system", "content": "Be brief."},
+                                         *messages[:2], {"role": "user", "content": "3+3= Go."}]
     # a row's own system turn is kept, not doubled
     own = [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}]
     ids = data.prompt_ids(cfg, tok, own, "row")
@@ -122,6 +126,8 @@ def test_plain_text_with_system_prompt(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "answer": "3"}])
     got = load_examples(DataConfig(path=path, system_prompt="Add.", prompt_suffix="?"), tok)
     assert got[0]["prompt_ids"] == char_ids(tok, "Add.\n\n1+2=?")
+    assert got[0]["prompt_messages"] == [{"role": "system", "content": "Add."},
+                                         {"role": "user", "content": "1+2=?"}]
 
 
 def test_long_prompts_dropped_and_counted(tmp_path, tok, caplog):
@@ -146,8 +152,9 @@ def test_gsm8k_preset(tmp_path, tok):
     path = write_jsonl(tmp_path / "gsm.jsonl", rows)
     got = load_examples(DataConfig(preset="gsm8k", path=path), tok)
     suffix = ' Let\'s think step by step and output the final answer after "####".'
-    assert got == [{"question": "Q1?", "answer": "1000",
-                    "prompt_ids": char_ids(tok, "Q1?" + suffix)}]  # row 2 has no gold: dropped
+    assert got == [{"question": "Q1?", "answer": "1000",  # row 2 has no gold: dropped
+                    "prompt_ids": char_ids(tok, "Q1?" + suffix),
+                    "prompt_messages": [{"role": "user", "content": "Q1?" + suffix}]}]
 
 
 def test_math_preset_boxed_extraction(tmp_path, tok):
