@@ -172,8 +172,9 @@ class Scorer:
     breakpoint() in a reward stops. A call that raises, returns no finite number, hangs or kills
     the worker scores 0 and is counted. Use as a context manager, or call close()."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, group=None):
         validate(cfg)
+        self.group = group  # rollout.EngineGroup: only the first rank of an engine calls
         self.specs = list(cfg.funcs)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
         self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward")
@@ -185,6 +186,11 @@ class Scorer:
         sample marked `failed` (an episode whose environment failed)."""
         if len(texts) != len(examples):
             raise ValueError(f"Scorer.score: {len(texts)} texts but {len(examples)} examples")
+        if self.group is not None:
+            return self.group.one_answer(lambda: self._score(texts, examples, failed))
+        return self._score(texts, examples, failed)
+
+    def _score(self, texts: list[str], examples: list[dict], failed: list[bool]) -> dict:
         n, nf = len(texts), len(self.specs)
         outcomes = self.worker.run([(j, (text, example)) for text, example in zip(texts, examples)
                                     for j in range(nf)])  # call k: sample k // nf, function k % nf

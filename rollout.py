@@ -172,6 +172,46 @@ class Rollout:
         return m
 
 
+class EngineGroup:
+    """The ranks of this rank's engine (rollout.tp_size consecutive ranks). `one_answer(fn)` calls
+    fn on the group's first rank only and hands its result to every rank of the group, so that
+    the environments and the rewards answer once per engine: its ranks must pass vLLM identical
+    prompts, which a call cut at its limit on one rank, or one that answers differently each time
+    (a clock, a random draw, a service), would break. One engine per rank: fn runs here."""
+
+    def __init__(self, tp_size: int):
+        import torch.distributed as dist
+
+        self.group, self.src, self.first = None, 0, True
+        if tp_size > 1 and dist.is_initialized():
+            rank = dist.get_rank()
+            for start in range(0, dist.get_world_size(), tp_size):  # every rank makes each group
+                ranks = list(range(start, start + tp_size))
+                group = dist.new_group(ranks, backend="gloo")  # pickled objects, on the host
+                if rank in ranks:
+                    self.group, self.src, self.first = group, start, rank == start
+
+    def one_answer(self, fn):
+        if self.group is None:
+            return fn()
+        import torch.distributed as dist
+
+        box = [None]
+        if self.first:
+            try:
+                box = [("ok", fn())]
+            except BaseException as e:  # the other ranks raise too, instead of waiting forever
+                dist.broadcast_object_list([("raised", f"{type(e).__name__}: {e}")],
+                                           src=self.src, group=self.group)
+                raise
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        kind, value = box[0]
+        if kind == "raised":
+            raise RuntimeError(f"the first rank of this engine group (rank {self.src}) raised "
+                               f"{value}")
+        return value
+
+
 class Engine:
     """generate / sleep / wake / load_weights around one in-process vLLM LLM."""
 
