@@ -19,6 +19,7 @@ the last model turn, and see the whole conversation as example["conversation"]. 
 call that fails or is cut ends its episode, which scores 0 and is counted.
 """
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import envs
 import plugins
 import rollout
 from domains import FLAG, Anything, OneOf, Range
+
+log = logging.getLogger("grpo")
 
 
 @dataclass
@@ -66,21 +69,22 @@ def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
 
 
 class Replies:
-    """How a reply becomes tokens after a model turn. With a chat template: the text the template
-    puts after an assistant turn (what the model's own stop token left of it), then the reply as
-    the template renders a message of its role, then the template's opening of the next
-    assistant turn. Plain text otherwise: the reply's tokens, as they are."""
+    """How a reply becomes tokens after a model turn. With a chat template: what the template puts
+    after an assistant turn (less what the model's own stop token wrote of it), the reply as the
+    template renders a message of its role, and the template's opening of the next assistant
+    turn. Plain text otherwise: the reply's tokens, as they are. The reply's content is always
+    tokenized as text: a special token's spelling in it (a tool that prints `<|im_end|>`) stays
+    text and forges no turn boundary."""
 
-    MARK = "\x1e"  # stands for a message's content, to find where the template puts it
+    MARK, TURN = "\x1e", "\x1d"  # stand for a reply's content and a model turn's
 
     def __init__(self, tokenizer, chat_template: bool, role: str):
         self.tokenizer, self.chat, self.role = tokenizer, chat_template, role
-        if chat_template:
-            # a system turn first: without one, some templates add a default system prompt
-            self.prefix = [{"role": "system", "content": "S"}]
-            turn = self.render(self.prefix + [{"role": "user", "content": "Q"},
-                                              {"role": "assistant", "content": self.MARK}])
-            self.after_turn = turn[turn.rindex(self.MARK) + len(self.MARK):]  # "<|im_end|>\n"
+        # what comes before the reply: a system turn (without one, some templates add a default
+        # system prompt), a user turn (some refuse a conversation without one: Qwen3's) and the
+        # model's turn, whose end marks where the reply's tokens start
+        self.prefix = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                       {"role": "assistant", "content": self.TURN}]
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -91,30 +95,51 @@ class Replies:
         return {"role": reply["role"] or self.role, "content": reply["content"]}
 
     def encode(self, text: str, as_text: bool = False) -> list[int]:
-        """as_text: a special token's spelling in `text` stays text (a reply that prints
-        `<|im_end|>` forges no turn boundary); else the template's own special tokens count."""
+        """as_text: a special token's spelling in `text` stays text; else the template's own
+        special tokens count."""
         return self.tokenizer(text, add_special_tokens=False,
                               split_special_tokens=as_text)["input_ids"]
 
     def tokens(self, message: dict, last_token: int | None) -> list[int]:
         """The tokens that follow a model turn which ended with `last_token` (its stop token;
-        None for a turn cut at its length limit): the reply `message`, as text, and with a
-        template the turn boundaries around it, with their special tokens."""
-        message = self.message(message)
+        None for a turn cut at its length limit): the chat `message` (self.message), as text,
+        and with a template the turn boundaries around it, with their special tokens."""
         if not self.chat:
             return self.encode(message["content"], as_text=True)
-        head = self.render(self.prefix)
         full = self.render(self.prefix + [{**message, "content": self.MARK}],
-                           generation_prompt=True)[len(head):]
-        if full.count(self.MARK) != 1:
+                           generation_prompt=True)
+        if full.count(self.MARK) != 1 or full.count(self.TURN) != 1:
             raise ValueError(f"the chat template renders a {message['role']!r} message's content "
                              "other than once, as is: env.reply_role or the template")
+        before, after = full[full.index(self.TURN) + 1:].split(self.MARK)
         stop = "" if last_token is None else self.tokenizer.decode([last_token])
-        end = self.after_turn[len(stop):] if stop and self.after_turn.startswith(stop) else (
-            self.after_turn)
-        before, after = full.split(self.MARK)
-        return (self.encode(end + before) + self.encode(message["content"], as_text=True)
+        if stop and before.startswith(stop):  # the model wrote the end of its turn itself
+            before = before[len(stop):]
+        return (self.encode(before) + self.encode(message["content"], as_text=True)
                 + self.encode(after))
+
+    def check(self, ids: list[int], messages: list[dict]) -> str | None:
+        """None if `ids` (an episode's prompt and all after it) spell what the chat template
+        renders for its whole conversation `messages`, else where they first differ. Templates
+        may render a conversation otherwise than turn by turn (Qwen3's drops the `<think>` part
+        of model turns before the last user turn): then the model is trained on a context that
+        differs from the one the template would give it. Compared as text, decoded with the
+        special tokens: a model turn's own tokens need not be the ones its text encodes to."""
+        ours = self.tokenizer.decode(ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        want = self.render(messages)  # after a last model turn that stopped: the template's end
+        n = min(len(ours), len(want))
+        i = next((i for i in range(n) if ours[i] != want[i]), n)
+        if i == len(ours):  # the episode is what the template renders, up to its end
+            return None
+        lo, hi = 0, len(ids)  # the first token whose text reaches position i
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self.tokenizer.decode(ids[:mid + 1], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            lo, hi = (mid + 1, hi) if len(text) <= i else (lo, mid)
+        return (f"token {lo} (character {i}): the episode has {ours[i:i + 40]!r}, the template "
+                f"renders {want[i:i + 40]!r}")
 
 
 class Episode:
@@ -123,7 +148,9 @@ class Episode:
     the rewards."""
 
     def __init__(self, example: dict, prompt_key: str, first: rollout.Sample, tokenizer):
-        prompt = example[prompt_key]
+        # the conversation the model saw (data.load_examples: system prompt, suffix), else the
+        # row's own prompt
+        prompt = example.get("prompt_messages", example[prompt_key])
         self.example, self.prompt_ids, self.tokenizer = example, first.prompt_ids, tokenizer
         self.messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                          else [dict(m) for m in prompt])
@@ -157,9 +184,12 @@ class Episodes:
     episodes (the module's docstring says how). close() stops the environment's worker."""
 
     def __init__(self, cfg: EnvConfig, tokenizer, chat_template: bool, prompt_key: str,
-                 max_new_tokens: int):
+                 max_new_tokens: int, group=None):
         self.cfg, self.tokenizer, self.prompt_key = cfg, tokenizer, prompt_key
         self.max_new_tokens = max_new_tokens
+        # rollout.EngineGroup: the environment answers on the first rank of each engine only
+        self.one_answer = group.one_answer if group is not None else lambda fn: fn()
+        self.checked = not chat_template  # the episodes against the template, once a run
         self.worker = self.replies = None
         if cfg.name:
             self.replies = Replies(tokenizer, chat_template, cfg.reply_role)
@@ -185,7 +215,8 @@ class Episodes:
         while live := [e for e in episodes if not e.over]:
             # the environment answers every live episode's last turn: one job for its worker
             t = time.perf_counter()
-            replies = self.worker.run([(0, (e.messages, e.example)) for e in live])
+            calls = [(0, (e.messages, e.example)) for e in live]
+            replies = self.one_answer(lambda: self.worker.run(calls))
             env_seconds += time.perf_counter() - t
             going = []
             for e, reply in zip(live, replies):
@@ -215,6 +246,13 @@ class Episodes:
             for (e, _), s in zip(going, outs):
                 e.add_turn(s)
         ro.samples = [e.sample() for e in episodes]
+        if not self.checked and (e := next((e for e in episodes if 0 in e.mask), None)):
+            self.checked = True  # one episode with a reply, at the first turn that has one
+            if (where := self.replies.check(e.prompt_ids + e.ids, e.messages)) is not None:
+                log.warning("an episode's tokens differ from what the chat template renders for "
+                            "its whole conversation, at %s. The model is trained on the "
+                            "episode's tokens (each turn rendered after the last); shown once",
+                            where)
         ro.examples = [{**e.example, "conversation": e.messages} for e in episodes]
         ro.texts = [e.messages[-1]["content"] for e in episodes]  # always a model turn
         ro.turns = [e.turns for e in episodes]
