@@ -3,10 +3,11 @@ tokens.
 
 With an environment named in `env.name` (envs.py says what one is), each sample of a rollout is
 an episode. Turn 1 samples `group_size` responses per prompt, as a single-turn rollout does.
-Then, turn after turn, the environment answers every unfinished episode at once (in its worker
-process, each call with a time limit: plugins.Worker), each reply is appended as tokens (through
-the tokenizer's chat template with data.chat_template, in the role the template gives it; else
-as plain text), and the engine generates the next turn of every unfinished episode in one call,
+Then, turn after turn, the environment answers every unfinished episode at once (in worker
+processes, each call with a time limit: plugins.Worker; on the first rank of each engine group
+only, which hands the replies to the group's other ranks: rollout.EngineGroup), each reply is
+appended as tokens (through the tokenizer's chat template with data.chat_template, in the role
+the template gives it, its content as text; else as plain text), and the engine generates the next turn of every unfinished episode in one call,
 each with its whole token history as the prompt (its prefix cache keeps their KV). An episode
 ends when the environment says so, or at a limit: env.max_turns model turns, or a reply and a
 next turn that would take its tokens after the prompt past env.max_tokens (it then ends after
@@ -15,8 +16,11 @@ its last whole turn). Each turn stops at rollout.max_new_tokens or at the episod
 The sample of an episode is its prompt and all that follows it, the model's turns and the
 replies in order, with `mask` 1 on the model's tokens (rollout.Sample): the loss, the importance
 weights, the KL term, every token mean and the mismatch metric see those only. The rewards score
-the last model turn, and see the whole conversation as example["conversation"]. An environment
-call that fails or is cut ends its episode, which scores 0 and is counted.
+the last model turn, and see the whole conversation as example["conversation"] (from the
+system prompt and the prompt with its suffix, as the model saw them). An environment call that
+fails or is cut ends its episode, which is counted and, with env.on_failure "drop", left out of
+the loss. The first episode of a run with a reply is checked against the chat template's
+rendering of its whole conversation (Replies.check), and a difference is logged once.
 """
 
 import logging

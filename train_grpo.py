@@ -197,9 +197,10 @@ def setup(cfg: Config) -> Run:
         run.eval_examples = (data.load_examples(cfg.data, run.tokenizer, cfg.data.eval_split,
                                                 cfg.data.eval_path)
                              if cfg.log.eval_every and cfg.data.eval_path else run.examples)
-        run.scorer = rewards.Scorer(cfg.reward)  # a worker process: a hang is cut at its limit
+        group = rollout.EngineGroup(cfg.rollout.tp_size)  # rewards, environments: once an engine
+        run.scorer = rewards.Scorer(cfg.reward, group)  # worker processes: a hang is cut
         run.episodes = episodes.Episodes(cfg.env, run.tokenizer, cfg.data.chat_template,
-                                         cfg.data.prompt_key, cfg.rollout.max_new_tokens)
+                                         cfg.data.prompt_key, cfg.rollout.max_new_tokens, group)
         # the engine first: building vLLM reseeds torch
         run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.engine_idx)
         run.engine.sleep()  # before the actor loads: the memory is training's until the sync

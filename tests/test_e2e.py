@@ -238,3 +238,25 @@ def test_multi_turn_run(tiny_task_dir, tmp_path):
              for line in open(out_dir / "samples.jsonl")]
     assert ["assistant", "user", "assistant"] in [r[-3:] for r in roles], roles[:3]
 
+
+
+@pytest.mark.engine
+def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path):
+    """rollout.tp_size 2 on 2 ranks: one engine, whose ranks must pass vLLM the same prompts. The
+    environment and the reward answer differently on each rank (tests/workers/rank_noisy.py):
+    only the engine's first rank calls them, in training and in eval, and the run goes through
+    with the engine's logprobs equal to the trainer's."""
+    calls, out_dir = tmp_path / "calls.log", tmp_path / "run"
+    out = launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml", "--train.steps=3",
+                  "--rollout.tp_size=2", "--grpo.prompts_per_step=16",
+                  f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
+                  "--log.eval_every=3", "--env.name=tests/workers/rank_noisy.py:env",
+                  "--reward.funcs=tests/workers/rank_noisy.py:reward"],
+                 timeout=900, env={"CALLS_LOG": str(calls)})
+    assert "step 3/3 | reward" in out
+    lines = calls.read_text().split()
+    kinds, ranks = lines[::2], lines[1::2]
+    assert set(ranks) == {"0"} and {"env", "reward"} <= set(kinds)
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert all(r["logp_gap"] < 1e-4 for r in rows) and "eval_pass1" in rows[-1]
+    assert rows[0]["turns_mean"] > 1.5  # the replies (rank 0's) were taken: a second turn
