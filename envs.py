@@ -1,13 +1,14 @@
 """Built-in environments for multi-turn rollouts (episodes.py runs them).
 
-An environment is a plain function `fn(messages: list[dict], example: dict)`, named in the `env:`
-config section like a reward: a built-in from ENVS, `package.module:function` or
-`path/to/file.py:function`. After each model turn it gets the episode so far as chat messages
+An environment is a function `fn(messages: list[dict], example: dict)` (or an `async def` one),
+named in the `env:` config section like a reward: a built-in from ENVS, `package.module:function`
+or `path/to/file.py:function`. After each model turn it gets the episode so far as chat messages
 (the prompt's, each model turn as {"role": "assistant", ...}, each earlier reply) and the dataset
 row, and returns its reply: text (a turn in the role of `env.reply_role`), a {"role", "content"}
-message (e.g. role "tool" for a tool's output), or None when the episode is over. It runs in a
-worker process with a time limit per call, like the rewards; it keeps no state between calls
-(derive it from the messages), so a cut call loses nothing but its own episode.
+message (e.g. role "tool" for a tool's output), or None when the episode is over. It runs in
+worker processes (env.workers of them, or for an `async def` one an event loop with
+env.concurrency calls at once) with a time limit per call, like the rewards; it keeps no state
+between calls (derive it from the messages), so a cut call loses nothing but its own episode.
 
 This module is what the environment worker imports (with the plugins named in the config): it
 keeps to the standard library.

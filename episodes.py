@@ -198,7 +198,8 @@ class Episodes:
         if cfg.name:
             self.replies = Replies(tokenizer, chat_template, cfg.reply_role)
             self.worker = plugins.Worker([cfg.name], envs.resolve, envs.as_reply,
-                                         cfg.timeout_s, "environment")
+                                         cfg.timeout_s, "environment", cfg.workers,
+                                         cfg.concurrency)
 
     def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
             seed: int | None = None) -> rollout.Rollout:

@@ -2,20 +2,27 @@
 importable `package.module:function` or a `path/to/file.py:function`.
 
 `resolve` finds a function and checks that it can be called with two arguments, with one-line
-errors that name the config field. `Worker` calls functions of one kind in a persistent worker
-process, each call with a time limit: a call that hangs is cut (the worker is killed and started
-again for the calls left), one that raises or returns what its kind refuses is counted, and the
-run goes on. With a time limit of 0 the same calls run in the trainer's own process, where a
-breakpoint() in them stops.
+errors that name the config field. `Worker` calls functions of one kind in persistent worker
+processes, each call with a time limit of its own: plain functions in a pool of processes (a
+call each at a time), `async def` functions in one process's event loop (many calls at once).
+A call that hangs is cut at its limit (a plain call's worker is killed and replaced) while the
+others go on; one that raises or returns what its kind refuses is counted, and the run goes on.
+With a time limit of 0 the same calls run in the trainer's own process, where a breakpoint() in
+them stops.
 
 A leaf module: it imports nothing from the project (the worker process imports only this module
 and the functions' own modules).
 """
 
+import asyncio
 import atexit
+import collections
+import concurrent.futures
+import functools
 import importlib.util  # also binds importlib
 import inspect
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -98,17 +105,55 @@ def call(fn, spec: str, args: tuple, check, shown: set, what: str):
     try:
         return check(fn(*args))
     except Exception:
-        if spec not in shown:
-            shown.add(spec)
-            print(f"{what} {spec!r} failed (counted; shown once):", file=sys.stderr)
-            traceback.print_exc()
-        return Failed
+        return _failed(spec, shown, what)
 
 
-def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int) -> None:
+async def acall(fn, spec: str, args: tuple, check, shown: set, what: str):
+    """call() for an `async def` function."""
+    try:
+        return check(await fn(*args))
+    except Exception:
+        return _failed(spec, shown, what)
+
+
+def _failed(spec: str, shown: set, what: str):
+    if spec not in shown:
+        shown.add(spec)
+        print(f"{what} {spec!r} failed (counted; shown once):", file=sys.stderr)
+        traceback.print_exc()
+    return Failed
+
+
+async def _gather(fns, specs, calls, check, shown, what, concurrency, timeout_s,
+                  started=None, ended=None):
+    """Run the async calls [(k, function index, args)], at most `concurrency` at once, each cut
+    at timeout_s (None: no limit); returns {k: outcome}. started(k) and ended(k, outcome): as
+    call k begins and ends."""
+    gate, out = asyncio.Semaphore(concurrency), {}
+
+    async def one(k, j, args):
+        async with gate:
+            if started is not None:
+                started(k)
+            try:
+                out[k] = await asyncio.wait_for(
+                    acall(fns[j], specs[j], args, check, shown, what), timeout_s)
+            except asyncio.TimeoutError:  # cut at its limit (a cancelled call is no failure)
+                out[k] = TimeoutError
+            if ended is not None:
+                ended(k, out[k])
+
+    await asyncio.gather(*(one(*c) for c in calls))
+    return out
+
+
+def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int,
+            concurrency: int) -> None:
     """The worker process (module level: spawn pickles it, `resolver` and `check` too, by name).
-    Resolves the specs, sends "ready", then per job (a list of (function index, args)) one
-    outcome per call, in order. Exits on None, EOF or when the trainer is gone."""
+    Resolves the specs and sends "ready". Then per job, a list of (k, function index, args):
+    plain functions one after another, each outcome sent as (k, outcome); `async def` ones
+    (a job of ("async", calls, timeout_s)) in an event loop, sending ("start", k) as each
+    begins and (k, outcome) as each ends. Exits on None, EOF or when the trainer is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
 
     def exit_with_parent():  # never outlive the trainer, even while a call hangs
@@ -125,8 +170,14 @@ def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int)
     shown = set()
     try:
         while (job := conn.recv()) is not None:
-            for j, args in job:
-                conn.send(call(fns[j], specs[j], args, check, shown, what))
+            if job[0] == "async":
+                _, calls, timeout_s = job
+                asyncio.run(_gather(fns, specs, calls, check, shown, what, concurrency,
+                                    timeout_s, lambda k: conn.send(("start", k)),
+                                    lambda k, v: conn.send((k, v))))
+            else:
+                for k, j, args in job:
+                    conn.send((k, call(fns[j], specs[j], args, check, shown, what)))
     except (EOFError, OSError):  # the parent is gone
         pass
 
@@ -137,93 +188,207 @@ def _stop(proc, conn) -> None:
     proc.join()
 
 
+class _Proc:
+    """One worker process: its connection, and the calls sent to it and not yet answered
+    ({k: the time it began, or None while it waits its turn})."""
+
+    def __init__(self, proc, conn, finalizer):
+        self.proc, self.conn, self.finalizer = proc, conn, finalizer
+        self.ready, self.calls, self.since = False, {}, time.monotonic()
+
+
 class Worker:
-    """Functions of one kind (`what`: "reward", "environment") called with a time limit of
-    timeout_s per call in one persistent worker process, started on first use; in this process
-    with timeout_s 0. `resolver(spec)` finds each function (in the worker too: module-level);
-    `check(value)` returns what a call's value stands for, or raises for one the kind refuses.
-    `run` returns each call's outcome: that, Failed, or TimeoutError (cut at the limit). Use as a
-    context manager, or call close()."""
+    """Functions of one kind (`what`: "reward", "environment"), each call with a time limit of
+    timeout_s, in worker processes started on first use and kept: a plain function's calls run
+    in up to `workers` processes at once, one call each at a time; an `async def` function's in
+    one process's event loop, at most `concurrency` at once. In this process with timeout_s 0.
+    `resolver(spec)` finds each function (in the workers too: module-level); `check(value)`
+    returns what a call's value stands for, or raises for one the kind refuses. `run` returns
+    each call's outcome, in order: that, Failed, or TimeoutError (cut at the limit: a plain
+    call's worker is killed and replaced, the other calls go on). Use as a context manager, or
+    call close()."""
 
     START_TIMEOUT_S = 120.0  # for a worker to start and import the functions (no call's time)
 
-    def __init__(self, specs: list[str], resolver, check, timeout_s: float, what: str):
+    def __init__(self, specs: list[str], resolver, check, timeout_s: float, what: str,
+                 workers: int = 1, concurrency: int = 64):
         self.specs, self.resolver, self.check = list(specs), resolver, check
         self.timeout_s, self.what = timeout_s, what
-        self.fns = [resolver(s) for s in self.specs] if timeout_s == 0 else None
+        self.workers, self.concurrency = workers, concurrency
+        fns = [resolver(s) for s in self.specs]  # (the config's check resolved them already)
+        self.is_async = [inspect.iscoroutinefunction(fn) for fn in fns]
+        self.fns = fns if timeout_s == 0 else None
         self._shown = set()  # in-process: the functions whose failure was shown
-        self._proc = self._conn = self._finalizer = None
+        self._plain, self._async = [], []  # the worker processes, _Proc each
 
     def run(self, calls: list[tuple[int, tuple]]) -> list:
         if self.fns is not None:  # in this process
-            return [call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
-                    for j, args in calls]
+            return self._run_here(calls)
         try:
             return self._run(calls)
-        except BaseException:  # Ctrl-C mid-job: the worker would answer the next job with
-            self.close()  # this one's outcomes still on their way; a fresh one starts instead
+        except BaseException:  # Ctrl-C mid-job: the workers would answer the next job with
+            self.close()  # this one's outcomes still on their way; fresh ones start instead
             raise
 
-    def _run(self, calls: list[tuple[int, tuple]]) -> list:
-        out = []
-        while len(out) < len(calls):
-            conn = self._start()
-            try:  # one job: all that is left
-                conn.send(calls[len(out):])
-            except OSError:  # the worker died while idle: start another
-                self.close()
-                continue
-            while len(out) < len(calls):
-                # the worker makes the calls one after another: each gets timeout_s from here
-                try:
-                    v = conn.recv() if conn.poll(self.timeout_s) else TimeoutError
-                    lost = v is TimeoutError
-                except (EOFError, OSError):  # the worker died in this call (crash, os._exit)
-                    v, lost = Failed, True
-                out.append(v)
-                if lost:
-                    self.close()  # and restart for what is left
-                    break
+    def _run_here(self, calls: list[tuple[int, tuple]]) -> list:
+        out = [None] * len(calls)
+        later = [(k, j, args) for k, (j, args) in enumerate(calls) if self.is_async[j]]
+        for k, (j, args) in enumerate(calls):
+            if not self.is_async[j]:
+                out[k] = call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
+        if later:
+            job = functools.partial(asyncio.run, _gather(
+                self.fns, self.specs, later, self.check, self._shown, self.what,
+                self.concurrency, None))
+            try:
+                asyncio.get_running_loop()  # one runs in this thread (a notebook's): use another
+                running = True
+            except RuntimeError:
+                running = False
+            if running:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    done = pool.submit(job).result()
+            else:
+                done = job()
+            for k, v in done.items():
+                out[k] = v
         return out
 
-    def _start(self):
-        """The worker's connection; starts a worker if there is none (or it died)."""
-        if self._proc is not None and self._proc.is_alive():
-            return self._conn
+    def _run(self, calls: list[tuple[int, tuple]]) -> list:
+        out, left = [None] * len(calls), len(calls)
+        plain = collections.deque(k for k, (j, _) in enumerate(calls) if not self.is_async[j])
+        later = [k for k, (j, _) in enumerate(calls) if self.is_async[j]]
+        grace = max(2.0, 0.5 * self.timeout_s)  # an async call the worker's loop failed to cut
+        while left:
+            now = time.monotonic()
+            self._reap()
+            # plain calls: one each to idle workers (with one worker, all at once, in order)
+            while plain and len(self._plain) < min(self.workers, len(plain) + sum(
+                    1 for w in self._plain if w.calls)):
+                self._plain.append(self._spawn())
+            for w in self._plain:
+                if w.ready and not w.calls and plain:
+                    n = len(plain) if self.workers == 1 else 1
+                    job = [plain.popleft() for _ in range(n)]
+                    self._send(w, [(k, *calls[k]) for k in job], job, now)
+            if later:  # async calls: all to one worker's event loop
+                if not self._async:
+                    self._async.append(self._spawn())
+                w = self._async[0]
+                if w.ready and not w.calls:
+                    self._send(w, ("async", [(k, *calls[k]) for k in later], self.timeout_s),
+                               later, None)
+                    later = []
+            # wait for an answer, or for the first limit to pass
+            busy = [w for w in self._plain + self._async if w.calls or not w.ready]
+            if not busy:  # (cannot be: every call left is queued to a worker, or running)
+                raise RuntimeError(f"{self.what} worker pool: {left} calls and no worker")
+            deadlines = [self._deadline(w, grace) for w in busy]
+            first = min(deadlines)
+            wait = None if first == float("inf") else max(0.0, first - time.monotonic())
+            for conn in multiprocessing.connection.wait([w.conn for w in busy], wait):
+                w = next(w for w in busy if w.conn is conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # it died in a call (crash, os._exit) or starting
+                    if not w.ready:
+                        self._give_up(w, f"it exited with code {w.proc.exitcode}")
+                    left -= self._lost(w, out, plain, later, Failed)
+                    continue
+                w.since = time.monotonic()
+                if not w.ready:
+                    if msg != "ready":
+                        self._give_up(w, msg)
+                    w.ready = True
+                elif msg[0] == "start":
+                    w.calls[msg[1]] = w.since
+                else:
+                    k, out[k] = msg
+                    left -= 1
+                    w.calls.pop(k)
+                    if w in self._plain and w.calls:  # the next of its calls begins now
+                        w.calls[next(iter(w.calls))] = w.since
+            now = time.monotonic()
+            for w in busy:  # each past its limit: cut, with the calls it was running
+                if w.proc is not None and now >= self._deadline(w, grace):
+                    if not w.ready:
+                        self._give_up(w, "no answer")
+                    left -= self._lost(w, out, plain, later, TimeoutError)
+        return out
+
+    def _deadline(self, w: _Proc, grace: float) -> float:
+        if not w.ready:
+            return w.since + self.START_TIMEOUT_S
+        began = [t for t in w.calls.values() if t is not None]
+        if not began:
+            return float("inf")
+        return min(began) + self.timeout_s + (grace if w in self._async else 0.0)
+
+    def _send(self, w: _Proc, job, ks: list[int], now: float | None) -> None:
+        w.calls = dict.fromkeys(ks)
+        if now is not None:  # plain calls: the first begins now, each next one when its
+            w.calls[ks[0]] = now  # predecessor's outcome arrives
+        try:
+            w.conn.send(job)
+        except OSError:  # it died while idle: none of its calls began; the next wait() reads
+            w.calls = dict.fromkeys(ks)  # its end, and they go to another worker
+
+    def _lost(self, w: _Proc, out: list, plain, later: list, outcome) -> int:
+        """Stop worker `w`: the calls it was running get `outcome`, those it had not begun go
+        back in the queue. Returns how many got an outcome."""
+        n, waiting = 0, []
+        for k, began in w.calls.items():
+            if began is not None:
+                out[k], n = outcome, n + 1
+            else:
+                waiting.append(k)
+        (later.extend if w in self._async else plain.extendleft)(reversed(waiting))
+        self._drop(w)
+        return n
+
+    def _give_up(self, w: _Proc, why: str):
         self.close()
+        raise RuntimeError(f"the {self.what} worker did not start ({why}). Fix: make every "
+                           "function importable in a fresh Python process.")
+
+    def _spawn(self) -> _Proc:
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/vLLM threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child, self.specs, self.resolver,
-                                                       self.check, self.what, os.getpid()))
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, self.specs, self.resolver, self.check,
+                                                 self.what, os.getpid(), self.concurrency))
         # spawn re-runs the parent's __main__ file in the child (train_grpo.py: torch and the
         # accelerator setup, seconds and hundreds of MB); the worker needs only the functions'
         # own modules: hide it
         main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
         try:
-            self._proc.start()
+            proc.start()
         finally:
             sys.modules["__main__"] = main
         child.close()  # so that our end reads EOF if the worker dies
         # stops the worker when this Worker is collected, and at exit: atexit runs this before
         # multiprocessing's own hook (registered earlier), which would wait for it forever
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
-        atexit.register(self._finalizer)
-        try:
-            msg = self._conn.recv() if self._conn.poll(self.START_TIMEOUT_S) else "no answer"
-        except (EOFError, OSError):
-            msg = f"it exited with code {self._proc.join(5.0) or self._proc.exitcode}"
-        if msg != "ready":
-            self.close()
-            raise RuntimeError(f"the {self.what} worker did not start ({msg}). Fix: make every "
-                               "function importable in a fresh Python process.")
-        return self._conn
+        finalizer = weakref.finalize(self, _stop, proc, conn)
+        atexit.register(finalizer)
+        return _Proc(proc, conn, finalizer)
+
+    def _reap(self) -> None:
+        """Forget the idle workers that died (a fresh one starts when needed)."""
+        for w in self._plain + self._async:
+            if w.ready and not w.calls and not w.proc.is_alive():
+                self._drop(w)
+
+    def _drop(self, w: _Proc) -> None:
+        atexit.unregister(w.finalizer)
+        w.finalizer()  # runs _stop(proc, conn), once
+        w.proc = None
+        for pool in (self._plain, self._async):
+            if w in pool:
+                pool.remove(w)
 
     def close(self) -> None:
-        """Stop the worker, if any (a later run() starts a new one)."""
-        if self._finalizer is not None:
-            atexit.unregister(self._finalizer)
-            self._finalizer()  # runs _stop(proc, conn), once
-        self._proc = self._conn = self._finalizer = None
+        """Stop the workers, if any (a later run() starts new ones)."""
+        for w in self._plain + self._async:
+            self._drop(w)
 
     def __enter__(self):
         return self

@@ -2,7 +2,7 @@
 
 Name them in the `reward:` config section (RewardConfig): a built-in from REWARDS, an importable
 `package.module:function`, or a `path/to/file.py:function`. `validate` resolves every one before
-any model loads. `Scorer` runs them in a separate worker process (plugins.Worker) so that a
+any model loads. `Scorer` runs them in worker processes (plugins.Worker) so that a
 reward that raises, returns garbage or hangs gives 0 for that call and is counted, instead of
 ending a run hours in.
 Rewards stay on a coarse grid (0 or 1 here): float sums such as 0.1 + 0.2 make a "constant" group's
@@ -167,7 +167,7 @@ def validate(cfg: RewardConfig) -> None:
 
 
 class Scorer:
-    """Scores samples with the `reward:` functions (plugins.Worker): in a worker process, where a
+    """Scores samples with the `reward:` functions (plugins.Worker): in worker processes, where a
     call that hangs is cut at reward.timeout_s, or with timeout_s 0 in this process, where a
     breakpoint() in a reward stops. A call that raises, returns no finite number, hangs or kills
     the worker scores 0 and is counted. Use as a context manager, or call close()."""
@@ -177,7 +177,8 @@ class Scorer:
         self.group = group  # rollout.EngineGroup: only the first rank of an engine calls
         self.specs = list(cfg.funcs)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
-        self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward")
+        self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward",
+                                     cfg.workers, cfg.concurrency)
 
     def score(self, texts: list[str], examples: list[dict], failed: list[bool] = ()) -> dict:
         """{"reward": weighted sum per sample, "by_name": {spec: unweighted values per sample},

@@ -211,7 +211,7 @@ def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
         with rewards.Scorer(rewards.RewardConfig(funcs=funcs, weights=[1.0, 0.5, 0.25],
                                                  timeout_s=timeout_s)) as scorer:
             outs.append(scorer.score(texts, examples))
-            assert scorer.worker._proc is None or timeout_s > 0  # no worker started in-process
+            assert not scorer.worker._plain or timeout_s > 0  # no worker started in-process
         assert my_reward_mod.SEEN == ([] if timeout_s else texts)
     assert outs[0] == outs[1]
     assert outs[1]["by_name"]["my_reward_mod:recording"] == [0, 1, 0, 0, 0]
@@ -243,7 +243,8 @@ def test_scorer_survives_the_worker_dying(plugin):
         out = scorer.score(["a", "crash", "b"], [{}] * 3)
         assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0
         assert out["failed"] == [False, True, False]
-        proc = scorer.worker._proc
+        (w,) = scorer.worker._plain  # the replacement
+        proc = w.proc
     assert not proc.is_alive()  # close() reaped it
 
 

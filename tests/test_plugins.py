@@ -1,0 +1,121 @@
+"""The worker pool of plugins.Worker: calls side by side in `workers` processes and in an event
+loop, each cut at its own limit while the others go on, dead workers replaced. Timings are
+checked against the arithmetic of the sleeps: one limit, not one per hung call; about
+ceil(calls / workers) sleeps, well under the serial sum."""
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import plugins
+
+pytestmark = pytest.mark.main_only  # the standard library's processes: no library version enters
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))  # (spawn passes sys.path)
+import pool_fns  # noqa: E402
+
+FNS = ["pool_fns:nap", "pool_fns:anap"]  # 0: plain, 1: async
+
+
+def worker(timeout_s=1.0, workers=4, concurrency=16):
+    return plugins.Worker(FNS, pool_fns.resolve, str, timeout_s, "test", workers, concurrency)
+
+
+def timed(w, calls):
+    t = time.perf_counter()
+    out = w.run(calls)
+    return out, time.perf_counter() - t
+
+
+def pid(value: str) -> str:
+    return value.split("@")[1]
+
+
+def test_hung_and_failing_calls_among_healthy_ones():
+    """Two hung calls, one that raises and one whose worker dies, among eight healthy ones: the
+    healthy values arrive, and the whole job takes one limit (the hung calls ran side by side),
+    where cutting them one after another takes two."""
+    with worker(timeout_s=1.0, workers=4) as w:
+        w.run([(0, (i, {})) for i in range(4)])  # the four workers are up
+        modes = ["hang", "hang", "boom", "die"] + [None] * 8
+        out, took = timed(w, [(0, (i, {"mode": m, "s": 0.1})) for i, m in enumerate(modes)])
+        assert out[:4] == [TimeoutError, TimeoutError, plugins.Failed, plugins.Failed]
+        assert [v.split("@")[0] for v in out[4:]] == [str(i) for i in range(4, 12)]
+        assert 1.0 <= took < 2 * 1.0, took
+        # the cut and the dead workers are gone; the next job starts fresh ones and runs
+        assert all(v.startswith(str(i)) for i, v in enumerate(w.run([(0, (i, {}))
+                                                                      for i in range(6)])))
+
+
+def test_plain_calls_run_side_by_side():
+    """16 calls of 0.25 s on 4 workers: ceil(16 / 4) * 0.25 = 1 s, where one worker takes 4 s."""
+    with worker(workers=4, timeout_s=5.0) as w:
+        w.run([(0, (i, {})) for i in range(4)])
+        out, took = timed(w, [(0, (i, {"s": 0.25})) for i in range(16)])
+    assert [v.split("@")[0] for v in out] == [str(i) for i in range(16)]
+    assert len({pid(v) for v in out}) == 4
+    assert 1.0 <= took < 2.0, took
+
+
+def test_a_worker_that_died_while_idle_is_replaced():
+    with worker(workers=2) as w:
+        first = w.run([(0, (i, {"s": 0.2})) for i in range(2)])  # both workers busy once
+        os.kill(int(pid(first[0])), signal.SIGKILL)
+        time.sleep(0.2)
+        out = w.run([(0, (i, {"s": 0.2})) for i in range(4)])
+    assert [v.split("@")[0] for v in out] == ["0", "1", "2", "3"]
+    assert pid(first[0]) not in {pid(v) for v in out}
+
+
+def test_async_calls_share_one_event_loop():
+    """64 calls awaiting 0.2 s with concurrency 16: ceil(64 / 16) * 0.2 = 0.8 s, not 12.8 s."""
+    with worker(concurrency=16, timeout_s=5.0) as w:
+        w.run([(1, (0, {}))])
+        out, took = timed(w, [(1, (i, {"s": 0.2})) for i in range(64)])
+    assert [v.split("@")[0] for v in out] == [str(i) for i in range(64)]
+    assert len({pid(v) for v in out}) == 1
+    assert 0.8 <= took < 2.0, took
+
+
+def test_async_calls_cut_at_their_limit():
+    """A coroutine that never returns is cut at the limit while its siblings finish. One that
+    blocks the loop with synchronous code is cut by killing its worker (at the limit and a
+    grace of 2 s): the call in flight beside it is lost with it (cut), and the calls that had
+    not started (concurrency 2) run in a fresh worker."""
+    with worker(timeout_s=1.0, concurrency=2) as w:
+        out, took = timed(w, [(1, (i, {"mode": m, "s": 0.1}))
+                              for i, m in enumerate(["hang", None, "boom", None, None])])
+        assert out[0] is TimeoutError and out[2] is plugins.Failed
+        assert [out[i].split("@")[0] for i in (1, 3, 4)] == ["1", "3", "4"]
+        assert 1.0 <= took < 2.0, took
+        out, took = timed(w, [(1, (i, {"mode": m}))
+                              for i, m in enumerate(["block", None, None, None])])
+        assert out[:2] == [TimeoutError, TimeoutError]
+        assert [v.split("@")[0] for v in out[2:]] == ["2", "3"]
+        assert 1.0 + 2.0 <= took, took
+
+
+def test_plain_and_async_functions_in_one_job():
+    with worker(workers=2) as w:
+        out = w.run([(i % 2, (i, {"s": 0.05})) for i in range(8)])
+    assert [v.split("@")[0] for v in out] == [str(i) for i in range(8)]
+    plain, asynchronous = {pid(v) for v in out[::2]}, {pid(v) for v in out[1::2]}
+    assert not plain & asynchronous and len(asynchronous) == 1
+
+
+def test_in_process_async_calls_inside_a_running_event_loop():
+    """timeout_s 0 calls in this process; an async function's calls run on an event loop of
+    their own, in a helper thread when this thread already runs one (a notebook's)."""
+    w = worker(timeout_s=0)
+    calls = [(1, (i, {"s": 0.1})) for i in range(8)] + [(0, (8, {})), (1, (9, {"mode": "boom"}))]
+
+    async def in_a_notebook():
+        return w.run(calls)
+
+    for out in (w.run(calls), asyncio.run(in_a_notebook())):
+        assert [v.split("@")[0] for v in out[:9]] == [str(i) for i in range(9)]
+        assert {pid(v) for v in out[:9]} == {str(os.getpid())} and out[9] is plugins.Failed
