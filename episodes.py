@@ -7,8 +7,9 @@ Then, turn after turn, the environment answers every unfinished episode at once 
 processes, each call with a time limit: plugins.Worker; on the first rank of each engine group
 only, which hands the replies to the group's other ranks: rollout.EngineGroup), each reply is
 appended as tokens (through the tokenizer's chat template with data.chat_template, in the role
-the template gives it, its content as text; else as plain text), and the engine generates the next turn of every unfinished episode in one call,
-each with its whole token history as the prompt (its prefix cache keeps their KV). An episode
+the template gives it, its content as text; else as plain text), and the engine generates the
+next turn of every unfinished episode in one call, each with its whole token history as the
+prompt (its prefix cache keeps their KV). An episode
 ends when the environment says so, or at a limit: env.max_turns model turns, or a reply and a
 next turn that would take its tokens after the prompt past env.max_tokens (it then ends after
 its last whole turn). Each turn stops at rollout.max_new_tokens or at the episode's room.
@@ -32,6 +33,7 @@ from typing import Annotated
 import envs
 import plugins
 import rollout
+import sandbox
 from domains import FLAG, Anything, OneOf, Range
 
 log = logging.getLogger("grpo")
@@ -66,7 +68,10 @@ def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
     a one-line ValueError naming the field."""
     if not cfg.name:
         return
-    envs.resolve(cfg.name)  # (each field's own range: its domain, checked by config.validate)
+    fn = envs.resolve(cfg.name)  # (each field's range: its domain, checked by config.validate)
+    if fn is envs.python_tool:  # the model's code: no run without file and network isolation
+        for gone in sandbox.check(cfg.unsafe_ok):  # (unless env.unsafe_ok), the rest said here
+            log.warning("env python: the sandbox of the model's code lacks %s", gone)
     if max_prompt_len + cfg.max_tokens > max_model_len:
         raise ValueError(f"data.max_prompt_len + env.max_tokens must be <= rollout.max_model_len "
                          f"({max_prompt_len} + {cfg.max_tokens} > {max_model_len})")

@@ -142,20 +142,3 @@ def test_built_in_environments():
     assert envs.as_reply("x") == {"role": None, "content": "x"} and envs.as_reply(None) is None
     with pytest.raises(TypeError):
         envs.as_reply(3)
-
-
-def test_python_tool_limits(tmp_path):
-    """The model's code runs with a time and memory limit, and (where the kernel has Landlock)
-    cannot read or write outside its own directory: a run directory is out of its reach."""
-    secret = tmp_path / "run" / "checkpoint.txt"
-    secret.parent.mkdir()
-    secret.write_text("weights")
-    assert envs.run_python("while True: pass", timeout_s=1.0) == "timed out after 1 s"
-    assert "MemoryError" in envs.run_python("x = bytearray(2_000_000_000)", memory_mb=256)
-    assert envs.run_python("open('here.txt', 'w').write('ok'); print(open('here.txt').read())"
-                           ) == "ok\n"
-    if not envs.sandboxed():
-        pytest.skip("no Landlock in this kernel: the file limits are not enforced here")
-    assert "PermissionError" in envs.run_python(f"print(open({str(secret)!r}).read())")
-    assert "PermissionError" in envs.run_python(f"open({str(secret.parent / 'x')!r}, 'w')")
-    assert secret.read_text() == "weights" and not (secret.parent / "x").exists()

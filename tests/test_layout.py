@@ -25,7 +25,8 @@ ALLOWED = {
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "offload", "tracking", "domains"},
-    "envs": {"plugins"}, "episodes": {"envs", "plugins", "rollout", "domains"},
+    "sandbox": set(),  # the Python tool's confined child
+    "envs": {"plugins", "sandbox"}, "episodes": {"envs", "plugins", "rollout", "sandbox", "domains"},
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "domains"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
@@ -81,7 +82,7 @@ def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
             "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
             "import grpo, config, tracking, checkpoint, data, plugins, envs, episodes, logprobs\n"
-            "import offload, domains\n"
+            "import offload, domains, sandbox\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
