@@ -27,3 +27,21 @@ def test_step_bench_forces_full_length_and_times_every_phase(tiny_task_dir):
     # to 1e-3, which bounds their disagreement
     g, f, r = sec["generate"], sec["floor"], line["generate_over_floor"]
     assert abs(r - g / f) <= (g / f) * (5e-5 / g + 5e-5 / f) + 5e-4
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
+def test_envs_bench_times_every_mode(tiny_task_dir):
+    """bench/envs.py, small: every mode runs the episodes to their 3 turns and scores them, and
+    the pooled and async modes take less than serial, whose naps alone are 3 x 16 x 10 ms."""
+    out = launch(["bench/envs.py", "--episodes", "16", "--env-sleep", "0.01",
+                  "--reward-sleep", "0.01", "--workers", "4", "--concurrency", "8",
+                  "--task-dir", tiny_task_dir], nproc=1)
+    line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    assert line["episodes"] == 16 and line["turns"] == 3
+    env, reward = line["env"], line["reward"]
+    assert env["serial"]["per_turn_s"] >= 16 * 0.01 and reward["serial"]["seconds"] >= 16 * 0.01
+    for mode in ("pooled", "async"):
+        assert env[mode]["per_turn_s"] < env["serial"]["per_turn_s"]
+        assert env[mode]["over_serial"] == round(
+            env[mode]["per_turn_s"] / env["serial"]["per_turn_s"], 4)
