@@ -17,8 +17,6 @@ and the functions' own modules).
 import asyncio
 import atexit
 import collections
-import concurrent.futures
-import functools
 import importlib.util  # also binds importlib
 import inspect
 import multiprocessing
@@ -237,22 +235,41 @@ class Worker:
             if not self.is_async[j]:
                 out[k] = call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
         if later:
-            job = functools.partial(asyncio.run, _gather(
-                self.fns, self.specs, later, self.check, self._shown, self.what,
-                self.concurrency, None))
-            try:
-                asyncio.get_running_loop()  # one runs in this thread (a notebook's): use another
-                running = True
-            except RuntimeError:
-                running = False
-            if running:
-                with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    done = pool.submit(job).result()
-            else:
-                done = job()
-            for k, v in done.items():
+            for k, v in self._gather_here(later).items():
                 out[k] = v
         return out
+
+    def _gather_here(self, calls: list[tuple[int, int, tuple]]) -> dict:
+        """The async calls, run to completion in this process: on an event loop in this thread,
+        or, when this thread already runs one (a notebook's), on one in a helper thread. Ctrl-C
+        cancels them either way, so that none runs on past the job it belonged to."""
+        job = _gather(self.fns, self.specs, calls, self.check, self._shown, self.what,
+                      self.concurrency, None)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(job)  # (it cancels the calls on Ctrl-C)
+        loop, done = asyncio.new_event_loop(), threading.Event()
+        task = loop.create_task(job)
+
+        def drive():  # (asyncio.wait: it raises none of the task's errors)
+            try:
+                loop.run_until_complete(asyncio.wait([task]))
+            finally:
+                loop.close()
+                done.set()
+
+        threading.Thread(target=drive, daemon=True).start()
+        try:
+            done.wait()  # (an interrupted Thread.join would not wait again)
+        except BaseException:  # Ctrl-C: the helper thread would run the calls on, unseen
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # (its loop ended meanwhile)
+                pass
+            done.wait()  # (a call that blocks its loop holds it: a second Ctrl-C leaves it)
+            raise
+        return task.result()
 
     def _run(self, calls: list[tuple[int, tuple]]) -> list:
         out, left = [None] * len(calls), len(calls)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -119,3 +120,33 @@ def test_in_process_async_calls_inside_a_running_event_loop():
     for out in (w.run(calls), asyncio.run(in_a_notebook())):
         assert [v.split("@")[0] for v in out[:9]] == [str(i) for i in range(9)]
         assert {pid(v) for v in out[:9]} == {str(os.getpid())} and out[9] is plugins.Failed
+
+
+@pytest.mark.parametrize("in_a_loop", [False, True])
+def test_ctrl_c_cancels_in_process_async_calls(in_a_loop):
+    """Ctrl-C 0.3 s into an in-process job whose async calls nap 5 s returns at once, and no call
+    runs on (the helper thread a running loop needs has ended): not after the 5 s nap."""
+    w = worker(timeout_s=0)
+    calls = [(1, (i, {"s": 5.0})) for i in range(3)]
+
+    async def in_a_notebook():
+        return w.run(calls)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    threads = threading.active_count()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(in_a_notebook()) if in_a_loop else w.run(calls)
+        took = time.perf_counter() - t
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert 0.3 <= took < 0.3 + 2.0, took
+    while threading.active_count() > threads and time.perf_counter() < t + 0.3 + 2.0:
+        time.sleep(0.01)  # (the helper thread, its calls cancelled, exits)
+    assert threading.active_count() == threads
