@@ -12,8 +12,9 @@ another), pooled (env.workers --workers, 16: plain functions in that many proces
 `async def` environment awaiting the same nap, env.concurrency --concurrency, 64). Reported:
 the environment's seconds per turn (Rollout.env_seconds / 3) and each mode's ratio to serial;
 the same for a reward that naps --reward-sleep seconds (20 ms) over the rollout's samples
-(rewards.Scorer, one call per sample). The pools start before the timed rollout (a warm-up job
-as wide as the pool): their start-up is reported apart, as `start_s`.
+(rewards.Scorer, one call per sample). The pools start before the timed rollout (warm-up jobs as
+wide as the pool, until every worker answered one): their start-up is reported apart, as
+`start_s`.
 """
 
 import argparse
@@ -31,24 +32,44 @@ def _nap(kind: str) -> float:
     return float(os.environ.get(f"BENCH_{kind.upper()}_SLEEP", NAP[kind]))
 
 
+# each answers the warm-up's calls ({"warm": True}) at once with the worker's process id
+
 def env_plain(messages, example):
+    if example.get("warm"):
+        return str(os.getpid())
     time.sleep(_nap("env"))
     return example["prompt"]
 
 
 async def env_async(messages, example):
+    if example.get("warm"):
+        return str(os.getpid())
     await asyncio.sleep(_nap("env"))
     return example["prompt"]
 
 
 def reward_plain(completion, example):
+    if example.get("warm"):
+        return float(os.getpid())
     time.sleep(_nap("reward"))
     return 1.0
 
 
 async def reward_async(completion, example):
+    if example.get("warm"):
+        return float(os.getpid())
     await asyncio.sleep(_nap("reward"))
     return 1.0
+
+
+def warm_up(worker, first_arg, width: int) -> float:
+    """Seconds until the pool is up: jobs of `width` calls until each went to a worker of its
+    own (the first job starts them all, and the first ready ones take the calls of the others
+    still starting, which would otherwise start inside the timed run)."""
+    t = time.perf_counter()
+    while len({repr(v) for v in worker.run([(0, (first_arg, {"warm": True}))] * width)}) < width:
+        pass
+    return time.perf_counter() - t
 
 
 def main():
@@ -92,10 +113,8 @@ def main():
                                  max_tokens=turns * max_new + (turns - 1) * 8, timeout_s=10.0,
                                  workers=workers, concurrency=args.concurrency)
         eps = episodes.Episodes(cfg, tok, False, "prompt", max_new)
-        t = time.perf_counter()
         width = workers if kind == "plain" else 1
-        eps.worker.run([(0, ([], batch[0]))] * width)  # the pool is up
-        start_s = time.perf_counter() - t
+        start_s = warm_up(eps.worker, [], width)
         ro = eps.run(engine, batch, G, seed=0)
         eps.close()
         assert ro.env_errors == ro.env_timeouts == 0 and set(ro.turns) == {turns}, ro.turns
@@ -104,9 +123,7 @@ def main():
         scorer = rewards.Scorer(rewards.RewardConfig(
             funcs=[f"{me}:reward_{kind}"], timeout_s=10.0, workers=workers,
             concurrency=args.concurrency))
-        t = time.perf_counter()
-        scorer.worker.run([(0, ("", {}))] * width)
-        start_s = time.perf_counter() - t
+        start_s = warm_up(scorer.worker, "", width)
         t = time.perf_counter()
         scored = scorer.score(ro.texts, ro.examples)
         took = time.perf_counter() - t
