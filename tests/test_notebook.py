@@ -99,6 +99,8 @@ m = train_step(run)
 assert m["groups_trained"] == 0 and m["samples_trained"] == 0 and m["grad_norm"] == 0.0, m
 assert all(torch.equal(p, b) for p, b in zip(run.actor.parameters(), before))
 scorer, engine = run.scorer, run.engine
+procs = [w.proc for w in scorer.worker._plain + scorer.worker._async]
+assert procs and all(p.is_alive() for p in procs), "the step ran no reward worker"
 
 def broken():
     raise OSError("disk gone")
@@ -109,7 +111,7 @@ try:
     raise SystemExit("close() swallowed the error")
 except OSError as e:
     assert "disk gone" in str(e)
-assert scorer.worker._proc is None, "the reward worker outlived close()"
+assert not any(p.is_alive() for p in procs), "a reward worker outlived close()"
 assert not hasattr(engine, "llm"), "the engine was not shut down"
 assert not dist.is_initialized() and train_grpo.open_run() is None
 run.close()  # again: nothing left to do, no error
