@@ -62,12 +62,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: int = 2,
-                    extra: dict | None = None) -> str:
+                    extra: dict | None = None, rank: dict | None = None) -> str:
     """Every rank must call. Keeps the newest `keep` complete checkpoints. `extra`: JSON-able
-    loop state (e.g. the data position) stored in trainer_state.json."""
+    loop state (e.g. the data position) stored in trainer_state.json; `rank`: this rank's own
+    (e.g. partial rollout's carried groups), pickled into rank_state{rank}.pt."""
     root = os.path.join(out_dir, "checkpoints")
     path = os.path.join(root, f"step_{step:06d}")
-    tmp, rank = path + ".tmp", dist.get_rank()
+    tmp, own, rank = path + ".tmp", rank, dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed write of this step left
     dist.barrier()
@@ -75,6 +76,8 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: 
              "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if own is not None:
+        torch.save(own, os.path.join(tmp, f"rank_state{rank}.pt"))
     dist.barrier()  # every rank's files are in tmp
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -104,7 +107,8 @@ def latest_checkpoint(out_dir: str):
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, schedule and this rank's RNG states in place (every rank);
-    returns trainer_state.json ("step" and what save_checkpoint got as `extra`)."""
+    returns trainer_state.json ("step" and what save_checkpoint got as `extra`) and, as "rank",
+    this rank's own state (save_checkpoint's `rank`; None when it saved none)."""
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path)
@@ -116,4 +120,6 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)
     scheduler.load_state_dict(saved["scheduler"])
+    own = os.path.join(path, f"rank_state{dist.get_rank()}.pt")
+    saved["rank"] = torch.load(own, weights_only=False) if os.path.exists(own) else None
     return saved

@@ -20,6 +20,7 @@ import episodes
 import kernels
 import npu_ops
 import offload
+import partial
 import rewards
 
 
@@ -97,6 +98,7 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
             raise BadInput(f"config {path}: expected sections (model:, optim:, ...) at top level")
     pairs = [(f"{sec}.{key}", val) for sec, body in raw.items()
              for key, val in (body.items() if isinstance(body, dict) else [(None, body)])]
+    pairs = [p for dotted, val in pairs for p in _flatten(tree, dotted, val)]
     args = list(overrides)
     while args:
         arg = args.pop(0)
@@ -117,29 +119,57 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
             raise BadInput(f"unknown config section '{sec}'{_closest(sec, sections)}")
         if not key or key == "None":
             raise BadInput(f"config section '{sec}' must be a mapping of keys to values")
-        section = getattr(cfg, sec)
+        section, where = getattr(cfg, sec), sec
+        *inner, key = key.split(".")  # a sub-section's key: rollout.partial.round_tokens
+        for name in inner:
+            if not dataclasses.is_dataclass(getattr(section, name, None)):
+                break
+            section, where = getattr(section, name), f"{where}.{name}"
         hints = typing.get_type_hints(type(section))
-        if key not in hints:
-            valid = [f"{sec}.{k}" for k in hints]
+        if f"{where}.{key}" != dotted or key not in hints:
+            valid = [name for name, *_ in fields(cfg) if name.startswith(f"{sec}.")]
             raise BadInput(f"unknown config key '{dotted}'{_closest(dotted, valid)}")
+        if dataclasses.is_dataclass(getattr(section, key)):
+            keys = ", ".join(f.name for f in dataclasses.fields(getattr(section, key)))
+            raise BadInput(f"config {dotted}: a section of its own; set its keys ({keys}), e.g. "
+                           f"--{dotted}.{dataclasses.fields(getattr(section, key))[0].name}=...")
         setattr(section, key, _coerce(dotted, val, hints[key]))
     return cfg
 
 
+def _flatten(tree: type, dotted: str, val) -> list:
+    """A YAML mapping under a sub-section's name (rollout: {partial: {round_tokens: 16}}) as
+    its dotted keys; any other value as it is."""
+    node = tree()
+    for name in dotted.split("."):
+        node = getattr(node, name, None)
+    if not (dataclasses.is_dataclass(node) and isinstance(val, dict)):
+        return [(dotted, val)]
+    return [p for key, inner in val.items() for p in _flatten(tree, f"{dotted}.{key}", inner)]
+
+
 def fields(cfg):
     """(section.key, value, domain, default) of every field of the config tree `cfg`, the domain
-    read from the field's type (domains.py); a field without one is a TypeError."""
+    read from the field's type (domains.py); a field without one is a TypeError. A sub-section
+    (a dataclass field of a section, as rollout.partial) yields its own fields, dotted."""
     for sec in dataclasses.fields(cfg):
-        section = getattr(cfg, sec.name)
-        hints = typing.get_type_hints(type(section), include_extras=True)
-        for f in dataclasses.fields(section):
-            found = [a for a in getattr(hints[f.name], "__metadata__", ())
-                     if isinstance(a, domains.Domain)]
-            if not found:
-                raise TypeError(f"config field {sec.name}.{f.name} states no domain: annotate it "
-                                "as Annotated[type, domains.X(...)] (domains.py)")
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            yield f"{sec.name}.{f.name}", getattr(section, f.name), found[0], default
+        yield from _section_fields(getattr(cfg, sec.name), sec.name)
+
+
+def _section_fields(section, name: str):
+    hints = typing.get_type_hints(type(section), include_extras=True)
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _section_fields(value, f"{name}.{f.name}")
+            continue
+        found = [a for a in getattr(hints[f.name], "__metadata__", ())
+                 if isinstance(a, domains.Domain)]
+        if not found:
+            raise TypeError(f"config field {name}.{f.name} states no domain: annotate it "
+                            "as Annotated[type, domains.X(...)] (domains.py)")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        yield f"{name}.{f.name}", value, found[0], default
 
 
 def validate(cfg, world_size: int) -> None:
@@ -187,6 +217,7 @@ def validate(cfg, world_size: int) -> None:
         npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
+        partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
     except ValueError as e:
         raise BadInput(str(e)) from None
     if cfg.model.path or not cfg.data.tiny_task_dir:  # (the tiny task's own model: no path)

@@ -15,7 +15,7 @@ next turn that would take its tokens after the prompt past env.max_tokens (it th
 its last whole turn). Each turn stops at rollout.max_new_tokens or at the episode's room.
 
 The sample of an episode is its prompt and all that follows it, the model's turns and the
-replies in order, with `mask` 1 on the model's tokens (rollout.Sample): the loss, the importance
+replies in order, with `mask` 1 on the model's tokens (records.Sample): the loss, the importance
 weights, the KL term, every token mean and the mismatch metric see those only. The rewards score
 the last model turn, and see the whole conversation as example["conversation"] (from the
 system prompt and the prompt with its suffix, as the model saw them). An environment call that
@@ -32,7 +32,7 @@ from typing import Annotated
 
 import envs
 import plugins
-import rollout
+import records
 import sandbox
 from domains import FLAG, Anything, OneOf, Range
 
@@ -153,26 +153,29 @@ class Replies:
 
 class Episode:
     """One episode as it grows: its tokens after the prompt, which of them the model wrote, the
-    engine's logprobs of those, and the conversation (chat messages) for the environment and
-    the rewards."""
+    engine's logprobs of those and the weights version that wrote each, and the conversation
+    (chat messages) for the environment and the rewards. With partial rollout (partial.py) a
+    turn can stop at a round's end and go on in a later step: `pending` holds what it wrote so
+    far (ids, logp, versions), `limit` its room in tokens."""
 
-    def __init__(self, example: dict, prompt_key: str, first: rollout.Sample, tokenizer):
+    def __init__(self, example: dict, prompt_key: str, tokenizer, limit: int):
         # the conversation the model saw (data.load_examples: system prompt, suffix), else the
         # row's own prompt
         prompt = example.get("prompt_messages", example[prompt_key])
-        self.example, self.prompt_ids, self.tokenizer = example, first.prompt_ids, tokenizer
+        self.example, self.prompt_ids, self.tokenizer = example, example["prompt_ids"], tokenizer
         self.messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                          else [dict(m) for m in prompt])
-        self.ids, self.mask, self.logp = [], [], []
+        self.ids, self.mask, self.logp, self.versions = [], [], [], []
         self.turns, self.over, self.limited, self.failed = 0, False, False, False
-        self.add_turn(first)
+        self.pending, self.limit, self.last = ([], [], []), limit, None
 
-    def add_turn(self, s: rollout.Sample) -> None:
+    def add_turn(self, s: records.Sample, versions: list[int] | None = None) -> None:
         self.ids += s.response_ids
         self.mask += [1] * len(s.response_ids)
         self.logp += list(s.logp)
+        self.versions += versions or [0] * len(s.response_ids)
         self.turns += 1
-        self.last = s  # its stop token, and whether it was cut
+        self.last, self.pending = s, None  # its stop token, and whether it was cut
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(
             s.response_ids, skip_special_tokens=True)})
 
@@ -180,17 +183,24 @@ class Episode:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logp += [0.0] * len(ids)
+        self.versions += self.versions[-1:] * len(ids)  # the turn's before it (mask 0)
         self.messages.append(message)
 
-    def sample(self) -> rollout.Sample:
+    def sample(self, versions: bool = False) -> records.Sample:
         """Truncated: its last turn was cut at a length limit (overlong handling sees that)."""
-        return rollout.Sample(self.prompt_ids, self.ids, self.logp, self.last.truncated,
-                              self.mask)
+        return records.Sample(self.prompt_ids, self.ids, self.logp, self.last.truncated,
+                              self.mask, self.versions if versions else None)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of it (partial rollout's carried episodes)."""
+        return {k: v for k, v in vars(self).items() if k != "tokenizer"}
 
 
 class Episodes:
     """Runs the samples of a rollout: one turn each without an environment (env.name ""), else
-    episodes (the module's docstring says how). close() stops the environment's worker."""
+    episodes (the module's docstring says how). close() stops the environment's worker. The
+    steps of an episode (start, add a turn's tokens, respond, finish) are methods here, which
+    `run` and partial rollout's rounds (partial.py) both take."""
 
     def __init__(self, cfg: EnvConfig, tokenizer, chat_template: bool, prompt_key: str,
                  max_new_tokens: int, group=None):
@@ -207,7 +217,7 @@ class Episodes:
                                          cfg.concurrency)
 
     def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
-            seed: int | None = None) -> rollout.Rollout:
+            seed: int | None = None) -> records.Rollout:
         """`n` episodes per example of `batch`, prompt-major: a rollout with samples, examples
         (each with its "conversation"), texts (the last model turn), turns, and the
         environment's counts. Its scores and advantages are the reward phase's."""
@@ -216,59 +226,103 @@ class Episodes:
         if self.worker is None:  # one turn: the samples as the engine made them
             texts = self.tokenizer.batch_decode([s.response_ids for s in first],
                                                 skip_special_tokens=True)
-            return rollout.Rollout(samples=first, examples=examples, texts=texts, rounds=1,
+            return records.Rollout(samples=first, examples=examples, texts=texts, rounds=1,
                                    turns=[1] * len(first), failed=[False] * len(first),
                                    limited=[s.truncated for s in first])
-        episodes = [Episode(ex, self.prompt_key, s, self.tokenizer)
-                    for ex, s in zip(examples, first)]
-        ro, env_seconds, turn = rollout.Rollout(rounds=1), 0.0, 1
-        while live := [e for e in episodes if not e.over]:
-            # the environment answers every live episode's last turn: one job for its worker
-            t = time.perf_counter()
-            calls = [(0, (e.messages, e.example)) for e in live]
-            replies = self.one_answer(lambda: self.worker.run(calls))
-            env_seconds += time.perf_counter() - t
-            going = []
-            for e, reply in zip(live, replies):
-                e.over = True
-                if reply is plugins.Failed or reply is TimeoutError:  # its episode scores 0
-                    e.failed = True
-                    ro.env_errors += reply is plugins.Failed
-                    ro.env_timeouts += reply is TimeoutError
-                elif reply is not None and e.turns == self.cfg.max_turns:
-                    e.limited = True  # the environment would go on: the turn limit ended it
-                elif reply is not None:
-                    reply = self.replies.message(reply)
-                    ids = self.replies.tokens(reply, None if e.last.truncated
-                                              else e.last.response_ids[-1])
-                    room = self.cfg.max_tokens - len(e.ids) - len(ids)
-                    e.limited = room < 1  # no room for the reply and a turn: ends here
-                    if not e.limited:
-                        e.add_reply(reply, ids)
-                        e.over = False
-                        going.append((e, min(self.max_new_tokens, room)))
-            if not going:
-                break
+        episodes = [self.start(ex) for ex in examples]
+        for e, s in zip(episodes, first):
+            e.add_turn(s)
+        ro, turn = records.Rollout(rounds=1), 1
+        while going := self.respond(episodes, ro):
             turn += 1
             turn_seed = None if seed is None else random.Random(f"{seed}/{turn}").getrandbits(48)
-            outs = engine.generate([e.prompt_ids + e.ids for e, _ in going], n=1, greedy=greedy,
-                                   seed=turn_seed, max_tokens=[room for _, room in going])
-            for (e, _), s in zip(going, outs):
+            outs = engine.generate([e.prompt_ids + e.ids for e in going], n=1, greedy=greedy,
+                                   seed=turn_seed, max_tokens=[e.limit for e in going])
+            for e, s in zip(going, outs):
                 e.add_turn(s)
-        ro.samples = [e.sample() for e in episodes]
-        if not self.checked and (e := next((e for e in episodes if 0 in e.mask), None)):
-            self.checked = True  # one episode with a reply, at the first turn that has one
-            if (where := self.replies.check(e.prompt_ids + e.ids, e.messages)) is not None:
-                log.warning("an episode's tokens differ from what the chat template renders for "
-                            "its whole conversation, at %s. The model is trained on the "
-                            "episode's tokens (each turn rendered after the last); shown once",
-                            where)
-        ro.examples = [{**e.example, "conversation": e.messages} for e in episodes]
+        return self.finish(episodes, ro)
+
+    def start(self, example: dict) -> Episode:
+        """A new episode of `example`, its first turn still to be written."""
+        return Episode(example, self.prompt_key, self.tokenizer, self.max_new_tokens)
+
+    def restore(self, state: dict) -> Episode:
+        """An episode from its state() (a checkpoint's carried episodes)."""
+        e = Episode.__new__(Episode)
+        vars(e).update(state, tokenizer=self.tokenizer)
+        return e
+
+    def advance(self, e: Episode, ids: list[int], logp: list[float], ended: str | None,
+                version: int) -> bool:
+        """Add what the engine wrote of e's turn (its limit e.limit) under weights `version`;
+        `ended`: how its request ended ("stop", "length", None: cut before either). Returns
+        whether the turn is over: its stop token, or its limit reached. A turn over ends the
+        episode without an environment; with one, respond() decides."""
+        done_ids, done_logp, done_versions = e.pending
+        done_ids, done_logp = done_ids + ids, done_logp + logp
+        e.pending = (done_ids, done_logp, done_versions + [version] * len(ids))
+        if ended != "stop" and len(done_ids) < e.limit:
+            return False  # it goes on in a later round
+        versions = e.pending[2]
+        e.add_turn(records.Sample(e.prompt_ids + e.ids, done_ids, done_logp,
+                                  ended != "stop"), versions)
+        e.over = self.worker is None
+        return True
+
+    def respond(self, episodes: list[Episode], ro: records.Rollout) -> list[Episode]:
+        """The environment answers the last turn of every episode of `episodes` that is not
+        over (one job for its worker, on the first rank of the engine group); an episode it
+        answers with a reply that fits gets the reply's tokens and room for its next turn
+        (e.limit, e.pending emptied). Counts go into `ro`. Returns those that go on."""
+        live = [e for e in episodes if not e.over]
+        if not live:
+            return []
+        t = time.perf_counter()
+        calls = [(0, (e.messages, e.example)) for e in live]
+        replies = self.one_answer(lambda: self.worker.run(calls))
+        ro.env_seconds += time.perf_counter() - t
+        going = []
+        for e, reply in zip(live, replies):
+            e.over = True
+            if reply is plugins.Failed or reply is TimeoutError:  # its episode scores 0
+                e.failed = True
+                ro.env_errors += reply is plugins.Failed
+                ro.env_timeouts += reply is TimeoutError
+            elif reply is not None and e.turns == self.cfg.max_turns:
+                e.limited = True  # the environment would go on: the turn limit ended it
+            elif reply is not None:
+                reply = self.replies.message(reply)
+                ids = self.replies.tokens(reply, None if e.last.truncated
+                                          else e.last.response_ids[-1])
+                room = self.cfg.max_tokens - len(e.ids) - len(ids)
+                e.limited = room < 1  # no room for the reply and a turn: ends here
+                if not e.limited:
+                    e.add_reply(reply, ids)
+                    e.over, e.limit, e.pending = False, min(self.max_new_tokens, room), ([], [], [])
+                    going.append(e)
+        return going
+
+    def finish(self, episodes: list[Episode], ro: records.Rollout,
+               versions: bool = False) -> records.Rollout:
+        """`ro` (its environment counts) with the episodes, all over, as its samples: examples
+        (each with its "conversation" when an environment ran), texts (the last model turn),
+        turns, failures, limits; with `versions`, each sample's token versions (partial)."""
+        ro.samples = [e.sample(versions) for e in episodes]
+        if self.worker is None:  # one turn, as run() gives it: the row as it is
+            ro.examples = [e.example for e in episodes]
+        else:
+            ro.examples = [{**e.example, "conversation": e.messages} for e in episodes]
+            if not self.checked and (e := next((e for e in episodes if 0 in e.mask), None)):
+                self.checked = True  # one episode with a reply, at the first turn that has one
+                if (where := self.replies.check(e.prompt_ids + e.ids, e.messages)) is not None:
+                    log.warning("an episode's tokens differ from what the chat template renders "
+                                "for its whole conversation, at %s. The model is trained on the "
+                                "episode's tokens (each turn rendered after the last); shown "
+                                "once", where)
         ro.texts = [e.messages[-1]["content"] for e in episodes]  # always a model turn
         ro.turns = [e.turns for e in episodes]
         ro.failed = [e.failed for e in episodes]
-        ro.limited = [e.limited for e in episodes]
-        ro.env_seconds = env_seconds
+        ro.limited = [e.limited or (self.worker is None and e.last.truncated) for e in episodes]
         return ro
 
     def close(self) -> None:

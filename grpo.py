@@ -340,7 +340,7 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
 
 def written(samples: list, per_token: list) -> list:
     """Each sample's per-response-token values (a tensor or a list) at the tokens the model
-    wrote (rollout.Sample.mask), as tensors."""
+    wrote (records.Sample.mask), as tensors."""
     return [torch.as_tensor(v) if s.mask is None
             else torch.as_tensor(v)[torch.tensor(s.mask, dtype=torch.bool)]
             for s, v in zip(samples, per_token)]

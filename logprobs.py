@@ -24,7 +24,7 @@ boundary of a packed row (cu_seq_lens, the longest sample) comes from the host, 
 over without blocking (pinned), logprobs stay on the device until `per_sample` reads all of a
 mini-batch's back at once, and metrics stay tensors for the caller to read.
 
-A sample may carry `mask` (rollout.Sample: 1 where the model wrote the token, 0 where an
+A sample may carry `mask` (records.Sample: 1 where the model wrote the token, 0 where an
 environment did): MicroBatch.mask is then 1 on the model's tokens only, the entropy sums over
 them, and grpo's per-token weights give the others no loss. Every response token is still run
 through the output layer and gets a logprob (a sample's logprobs stay one vector).

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import npu_ops
+import records
+from partial import PartialConfig
 from domains import DTYPE, FLAG, OneOf, Range
-from tracking import Mean, Sum
 
 log = logging.getLogger("grpo")
 
@@ -63,6 +64,8 @@ class RolloutConfig:
     sync_by: Annotated[str, OneOf("unit", "tensor")] = "unit"
     seed_per_step: Annotated[bool, FLAG] = False  # seed every request from (seed, step):
     #   reproducible runs and bit-exact resume, but vLLM samples with per-request generators
+    # carry unfinished samples across steps: a step stops waiting for its longest response
+    partial: PartialConfig = field(default_factory=PartialConfig)  # (partial.py)
 
 
 # SLEEP: why level 2, the cheapest (no host copy of the weights, which every sync overwrites: ~7.6
@@ -84,92 +87,6 @@ class RolloutConfig:
 # Not covered: vLLM-Ascend 0.23 derives MLA models' rotary tables into module globals that are
 # not buffers (ops/rotary_embedding.py, _cos_cache/_sin_cache), which level 2 would lose: use
 # level 1 for DeepSeek-style (MLA) models.
-
-
-@dataclass
-class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]  # all that follows the prompt (in an episode: every turn and reply)
-    logp: list[float]  # the engine's logprob of each response token (post-temperature; 0 where
-    #   the environment wrote it)
-    truncated: bool  # stopped at max_new_tokens, not at EOS (an episode: stopped at a limit)
-    mask: list[int] | None = None  # 1 where the model wrote the token, 0 where the environment
-    #   did (episodes.py); None: every response token is the model's
-
-    @property
-    def model_tokens(self) -> int:
-        return len(self.response_ids) if self.mask is None else sum(self.mask)
-
-
-@dataclass
-class Rollout:
-    """One step's samples and what the reward phase made of them. Lists over samples are
-    prompt-major (the G samples of a prompt are consecutive), lists over groups have one entry
-    per prompt. Every rank of an engine group holds the same rollout."""
-
-    samples: list[Sample] = field(default_factory=list)
-    examples: list[dict] = field(default_factory=list)  # each sample's dataset row
-    texts: list[str] = field(default_factory=list)  # each sample's decoded response
-    scores: list[float] = field(default_factory=list)  # the reward functions' weighted sum
-    adv: list[float] = field(default_factory=list)  # advantage within its group (after shaping)
-    by_name: dict[str, list[float]] = field(default_factory=dict)  # each function, per sample
-    constant: list[bool] = field(default_factory=list)  # per group: all rewards equal, no signal
-    keep: list[bool] = field(default_factory=list)  # per group: may go into the update
-    # per sample: out of the loss, its environment or a reward call having failed (env.on_failure)
-    dropped: list[bool] = field(default_factory=list)
-    errors: int = 0  # reward calls that failed (scored 0)
-    timeouts: int = 0  # reward calls cut at reward.timeout_s (scored 0)
-    rounds: int = 0  # generation rounds (dynamic sampling draws fresh prompts)
-    trained: list[int] = field(default_factory=list)  # the samples the update takes
-    # episodes (episodes.py), per sample: model turns, whether the environment failed or was
-    # cut (scored 0), whether a limit (turns, tokens) ended it; and the environment's counts
-    turns: list[int] = field(default_factory=list)
-    failed: list[bool] = field(default_factory=list)
-    limited: list[bool] = field(default_factory=list)
-    env_errors: int = 0
-    env_timeouts: int = 0
-    env_seconds: float = 0.0
-
-    def extend(self, other: "Rollout") -> None:
-        """Append another round's samples and counts."""
-        for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep", "turns",
-                     "failed", "limited", "dropped"):
-            getattr(self, name).extend(getattr(other, name))
-        for name, values in other.by_name.items():
-            self.by_name.setdefault(name, []).extend(values)
-        for name in ("errors", "timeouts", "rounds", "env_errors", "env_timeouts", "env_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def completions(self) -> list:
-        """What samples.jsonl shows of each sample: its text, or an episode's conversation."""
-        return [ex.get("conversation", text) for ex, text in zip(self.examples, self.texts)]
-
-    def metrics(self, groups_trained: int, tp_rank: int, tp: int, env: bool) -> dict:
-        """The rollout's part of the step's metrics (tracking.reduce): each generated sample
-        counted once over its engine group's ranks (rank tp_rank takes every tp-th), and each
-        count of the engine group once."""
-        share = [self.samples[i] for i in range(tp_rank, len(self.samples), tp)]
-        n, first = len(share), int(tp_rank == 0)
-        response = sum(s.model_tokens for s in share)  # an episode's: the model's turns
-        m = {"reward_mean": Mean(sum(self.scores[tp_rank::tp]), n),
-             "response_len_mean": Mean(response, n),
-             "truncated_frac": Mean(sum(s.truncated for s in share), n),
-             "reward_errors": Sum(first * self.errors),
-             "reward_timeouts": Sum(first * self.timeouts),
-             "groups_constant": Sum(first * sum(self.constant)),
-             "groups_trained": Sum(first * groups_trained),
-             "samples_trained": Sum(first * len(self.trained)),
-             "samples_dropped": Sum(first * sum(self.dropped)),
-             "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
-        if len(self.by_name) > 1:  # each reward function's mean, beside their weighted sum
-            m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)
-                      for name, v in self.by_name.items()})
-        if env:  # episodes: model turns, the environment's time (this rank's), failures, limits
-            m.update(turns_mean=Mean(sum(self.turns[tp_rank::tp]), n),
-                     env_time_s=self.env_seconds, env_errors=Sum(first * self.env_errors),
-                     env_timeouts=Sum(first * self.env_timeouts),
-                     limited_frac=Mean(sum(self.limited[tp_rank::tp]), n))
-        return m
 
 
 class EngineGroup:
@@ -253,7 +170,8 @@ class Engine:
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
-                 seed: int | None = None, max_tokens: list[int] | None = None) -> list[Sample]:
+                 seed: int | None = None,
+                 max_tokens: list[int] | None = None) -> list[records.Sample]:
         """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major.
 
         With `seed`, sample j of prompt i uses seed + i * n + j, so a step's samples depend on the
@@ -292,8 +210,57 @@ class Engine:
                 ids, logp = list(c.token_ids), c.logprobs.logprobs  # FlatLogprobs: 1 per token
                 if len(logp) != len(ids):
                     raise RuntimeError(f"vLLM returned {len(logp)} logprobs for {len(ids)} tokens")
-                samples.append(Sample(list(prompt), ids, logp, c.finish_reason == "length"))
+                samples.append(records.Sample(list(prompt), ids, logp,
+                                              c.finish_reason == "length"))
         return samples
+
+    def stream(self, prompt_ids: list[list[int]], max_tokens: list[int], seed: int | None = None,
+               greedy: bool = False, stop=None) -> list[tuple[list[int], list[float], str | None]]:
+        """One request per prompt (n=1), the engine stepped one decode step at a time: partial
+        rollout's way to stop early (partial.py). Returns per prompt its new token ids, the
+        engine's logprob of each, and how it ended: "stop" (its EOS or a stop token), "length"
+        (its max_tokens) or None (aborted unfinished). As request i ends, `stop(i, how)` may
+        return True: after that engine step, every request still running is aborted, and keeps
+        the tokens it wrote. With `seed`, request i samples with seed + i. The ranks of an engine
+        group see the same outputs (same seeds), so they stop at the same step.
+
+        Through LLMEngine's add_request / step / abort_request, as LLM.generate drives it
+        (vLLM 0.23 and 0.32 v1/engine/llm_engine.py): a prompt as vllm.inputs.engine's
+        tokens_input, which InputProcessor.process_inputs takes as it is (a dict with "type");
+        outputs as RequestOutputKind.DELTA, each step's new tokens with their FlatLogprobs
+        (output_processor.py, _new_completion_output); an aborted request leaves no output, and
+        every token it wrote came in an earlier step's."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        assert not self.asleep, "wake the engine before stream"
+        engine, self.streams = self.llm.llm_engine, getattr(self, "streams", 0) + 1
+        out, index, stopping = [([], [], None) for _ in prompt_ids], {}, False
+        try:
+            for i, (prompt, m) in enumerate(zip(prompt_ids, max_tokens)):
+                params = SamplingParams(
+                    n=1, temperature=0.0 if greedy else self.cfg.temperature,
+                    top_p=1.0 if greedy else self.cfg.top_p, max_tokens=m, logprobs=0,
+                    flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos,
+                    seed=None if seed is None else seed + i, output_kind=RequestOutputKind.DELTA)
+                index[f"s{self.streams}-{i}"] = i  # (never an int: LLM.generate's own ids are)
+                engine.add_request(f"s{self.streams}-{i}", tokens_input(list(prompt)), params)
+            while not stopping and engine.has_unfinished_requests():
+                for o in engine.step():
+                    i, c = index[o.request_id], o.outputs[0]
+                    if c.token_ids:  # (vLLM 0.23 slices an empty delta's logprobs as [-0:])
+                        out[i][0].extend(c.token_ids)
+                        out[i][1].extend(c.logprobs.logprobs)
+                    if o.finished:
+                        out[i] = (out[i][0], out[i][1], c.finish_reason)
+                        stopping = (stop is not None and stop(i, c.finish_reason)) or stopping
+        finally:  # stopped early, Ctrl-C, or an error: none of ours may stay in the engine
+            _abort_unfinished(self.llm)
+        for ids, logp, _ in out:
+            if len(logp) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(logp)} logprobs for {len(ids)} tokens")
+        return out
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         """The engine's logprob of every token after the first of each sequence (a probe)."""

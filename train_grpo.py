@@ -39,9 +39,12 @@ import checkpoint
 import config
 import data
 import episodes
+import evaluation
 import fsdp_utils
 import grpo
 import offload
+import partial
+import records
 import rewards
 import rollout
 import tiny_task
@@ -54,7 +57,7 @@ from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
 from rewards import RewardConfig
 from rollout import RolloutConfig
-from tracking import LogConfig, Mean
+from tracking import LogConfig
 
 log = logging.getLogger("grpo")
 
@@ -110,6 +113,7 @@ class Run:
     opt: torch.optim.Optimizer = None
     sched: object = None
     switch: offload.Switch = None  # the actor out of device memory while the engine works
+    carry: partial.Carry = None  # rollout.partial: groups in flight from step to step
     tracker: tracking.Tracker = None
     order: torch.Tensor = None  # the shuffled data: step N draws the same prompts in every run
     step: int = 0  # steps taken
@@ -201,6 +205,9 @@ def setup(cfg: Config) -> Run:
         run.scorer = rewards.Scorer(cfg.reward, group)  # worker processes: a hang is cut
         run.episodes = episodes.Episodes(cfg.env, run.tokenizer, cfg.data.chat_template,
                                          cfg.data.prompt_key, cfg.rollout.max_new_tokens, group)
+        if cfg.rollout.partial.enabled:  # draw(i): the i-th prompt of the shuffled data
+            run.carry = partial.Carry(cfg, (run.engine_idx, run.n_engines), run.tp_rank == 0,
+                                      lambda i: run.examples[run.order[i % len(run.examples)]])
         # the engine first: building vLLM reseeds torch
         run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.engine_idx)
         run.engine.sleep()  # before the actor loads: the memory is training's until the sync
@@ -217,6 +224,8 @@ def setup(cfg: Config) -> Run:
             state = checkpoint.load_checkpoint(ckpt, run.actor, run.opt, run.sched)
             run.step = state["step"]
             run.drawn = state.get("drawn", run.step * cfg.grpo.prompts_per_step)
+            if run.carry is not None:
+                run.carry.resume(state["rank"], run.episodes)
             log.info("resumed from %s: continuing after step %d", ckpt, run.step)
         run.tracker = tracking.Tracker(cfg, run.rank, run.step)  # a crashed tail is dropped
         run.order = torch.randperm(len(run.examples),
@@ -238,27 +247,27 @@ def setup(cfg: Config) -> Run:
 
 def train_step(run: Run, return_rollout: bool = False):
     """One GRPO step on every rank. Returns the step's metrics (those of metrics.jsonl), and with
-    return_rollout the rollout itself (rollout.Rollout: samples, texts, scores, advantages)."""
+    return_rollout the rollout itself (records.Rollout: samples, texts, scores, advantages)."""
     cfg, g, tp = run.cfg, run.cfg.grpo, run.cfg.rollout.tp_size
     step, t_step = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     # 1) rollout: the actor's weights into the engine (wake weights -> load -> wake KV cache),
     #    then G samples (episodes, with an environment) for each of this engine group's next
-    #    prompts, in rounds: one, unless dynamic sampling (DAPO) draws fresh prompts to refill.
-    #    The engine's turn is guarded: leaving it, whatever raised (a reward, Ctrl-C), the engine
+    #    prompts, in rounds: one, unless dynamic sampling (DAPO) draws fresh prompts to refill;
+    #    with partial rollout, the carried samples first, stopping early (partial.py). The
+    #    engine's turn is guarded: leaving it, whatever raised (a reward, Ctrl-C), the engine
     #    sleeps and the actor and its optimizer state are back (offload.Switch); the data position
     #    moves only when the step is done, so that a step run again draws the same prompts
     drawn = run.drawn
     with run.switch.engine_turn():
         sync = weight_sync.push(run.actor, run.engine, before_weights=run.switch.optimizer_out,
                                 before_kv_cache=run.switch.actor_out)
-        ro, times = rollout.Rollout(), {"gen": 0.0, "reward": 0.0, "sync": sync["seconds"]}
-        while True:
+        ro, times = records.Rollout(), {"gen": 0.0, "reward": 0.0, "sync": sync["seconds"]}
+        while run.carry is None:
             batch, drawn = draw_prompts(run, drawn)
-            seed = (random.Random(f"{cfg.rollout.seed}/{step}/{run.engine_idx}/{ro.rounds + 1}")
-                    .getrandbits(48) if cfg.rollout.seed_per_step else None)
             t = time.perf_counter()
-            generated = run.episodes.run(run.engine, batch, g.group_size, seed=seed)
+            generated = run.episodes.run(run.engine, batch, g.group_size,
+                                         seed=round_seed(run, step, ro.rounds + 1))
             times["gen"] += time.perf_counter() - t
             # 2) reward: scores, shaped (overlong penalty) into advantages within each group;
             #    with dynamic sampling, the groups whose rewards are all equal are dropped
@@ -269,6 +278,10 @@ def train_step(run: Run, return_rollout: bool = False):
             if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
                     or ro.rounds == g.max_gen_rounds):
                 break
+        if run.carry is not None:  # partial: each group scored as in 2) once it is complete
+            ro = run.carry.rollout(run.engine, run.episodes, lambda r: score(run, r), run.step,
+                                   times, lambda k: round_seed(run, step, k))
+            kept = grpo.kept_per_engine(sum(ro.keep), tp)
         t = time.perf_counter()
         run.engine.sleep()  # frees weights + KV cache where the platform can
         times["sleep"] = time.perf_counter() - t
@@ -279,14 +292,18 @@ def train_step(run: Run, return_rollout: bool = False):
     # 3) update: this rank trains on its 1/tp share of the kept samples
     t = time.perf_counter()
     mine = ro.trained[run.tp_rank::tp]
+    samples = partial.for_update([ro.samples[i] for i in mine], run.step,  # stale: mask
+                                 cfg.rollout.partial.stale)
     update = grpo.train_on_rollout(
-        run.actor, run.ref, run.opt, [ro.samples[i] for i in mine], torch.tensor(ro.adv)[mine],
+        run.actor, run.ref, run.opt, samples, torch.tensor(ro.adv)[mine],
         g, pad_id=run.tokenizer.pad_token_id or 0, device=npu_ops.local_device(),
         temperature=cfg.rollout.temperature, max_len=cfg.rollout.max_new_tokens,
         grad_clip=cfg.optim.grad_clip,
         seed=random.Random(f"{cfg.train.seed}/{step}/{run.rank}").getrandbits(48))
     run.sched.step()
     run.drawn = drawn
+    if run.carry is not None:  # the groups it carries are the next step's
+        run.carry.commit()
     times["logprobs"] = update.pop("logprobs_time_s")  # the old-policy and reference passes
     times["train"] = time.perf_counter() - t - times["logprobs"]
     times["step"] = time.perf_counter() - t_step
@@ -295,16 +312,18 @@ def train_step(run: Run, return_rollout: bool = False):
     # 4) log: the step's metrics over all ranks; eval and checkpoints on their schedule
     metrics = tracking.reduce({
         "step": step, **ro.metrics(len(groups), run.tp_rank, tp, bool(cfg.env.name)),
-        **update,
+        **update, **(run.carry.metrics(samples, step - 1) if run.carry else {}),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "sync_gb": sync["bytes"] / 2**30,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
         **{f"{k}_time_s": v for k, v in times.items()}, **run.engine.memory_metrics(),
         **run.switch.metrics()})
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step"]
+    if run.carry is not None:  # generated this step, carried tokens included
+        metrics["gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(times["gen"], 1e-9)
     if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.steps):
-        scores, rows = evaluate(run.switch, run.eval_examples, run.scorer, run.episodes,
-                                run.engine_idx, run.n_engines, cfg.log.eval_k)
+        scores, rows = evaluation.run(run.switch, run.eval_examples, run.scorer, run.episodes,
+                                      run.engine_idx, run.n_engines, cfg.log.eval_k)
         metrics.update(scores)
         run.tracker.log_samples("eval_samples.jsonl", step,
                                 *(r[:cfg.log.eval_examples] for r in rows))
@@ -317,7 +336,8 @@ def train_step(run: Run, return_rollout: bool = False):
                                 [shown[i] for i in few], [ro.scores[i] for i in few])
     if cfg.log.save_every and step % cfg.log.save_every == 0:
         checkpoint.save_checkpoint(cfg.log.out_dir, step, run.actor, run.opt, run.sched,
-                                   cfg.log.keep_checkpoints, extra={"drawn": run.drawn})
+                                   cfg.log.keep_checkpoints, extra={"drawn": run.drawn},
+                                   rank={"carry": run.carry and run.carry.state_dict()})
     return (metrics, ro) if return_rollout else metrics
 
 
@@ -333,6 +353,12 @@ def train(cfg: Config) -> dict:
     return metrics
 
 
+def round_seed(run: Run, step: int, k: int) -> int | None:
+    """The seed of the step's k-th generation round, with rollout.seed_per_step; else None."""
+    return (random.Random(f"{run.cfg.rollout.seed}/{step}/{run.engine_idx}/{k}").getrandbits(48)
+            if run.cfg.rollout.seed_per_step else None)
+
+
 def draw_prompts(run: Run, drawn: int) -> tuple[list[dict], int]:
     """This engine group's next prompts (the same on each of its ranks) from the shuffled data,
     `drawn` prompts in; every engine group draws its own slice of the step's prompts_per_step.
@@ -343,7 +369,7 @@ def draw_prompts(run: Run, drawn: int) -> tuple[list[dict], int]:
     return batch, drawn + run.cfg.grpo.prompts_per_step
 
 
-def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
+def score(run: Run, ro: records.Rollout) -> records.Rollout:
     """One round's rollout scored: its rewards, shaped (overlong penalty) into advantages within
     each group of G. A sample whose environment or a reward call failed scores 0 and, with
     env.on_failure=drop, is left out of its group's advantages and the loss. Every rank of an
@@ -365,35 +391,6 @@ def score(run: Run, ro: rollout.Rollout) -> rollout.Rollout:
     ro.adv = grpo.group_advantages(shaped, G, g.adv_eps, g.scale_adv_by_std, valid).tolist()
     ro.errors, ro.timeouts = out["errors"], out["timeouts"]
     return ro
-
-
-@torch.no_grad()
-def evaluate(switch, examples, scorer, eps, engine_idx, n_engines, k: int = 0):
-    """Greedy pass@1 (the mean reward of one greedy completion, or episode, per example) and,
-    with k > 0, mean@k (the mean reward of k at the rollout temperature) over all examples,
-    each engine group taking a slice; `eps` runs them (episodes.Episodes). Returns
-    ({"eval_pass1": .., "eval_mean_at_k": ..}, (examples, greedy completions, their rewards))
-    of this rank's slice. The engine (switch.engine) holds the weights of this step's rollout:
-    the update since then is synced first, in a turn of the engine guarded as a rollout's is
-    (offload.Switch: the actor and its optimizer state out of device memory meanwhile)."""
-    engine = switch.engine
-    with switch.engine_turn():
-        weight_sync.push(switch.actor, engine, before_weights=switch.optimizer_out,
-                         before_kv_cache=switch.actor_out)
-        part = examples[engine_idx::n_engines]
-        greedy = eps.run(engine, part, 1, greedy=True)
-        if k:
-            greedy.extend(eps.run(engine, part, k))
-        engine.sleep()
-    scores = scorer.score(greedy.texts, greedy.examples, greedy.failed)["reward"]
-    # every rank of a tensor-parallel group holds the same scores: count only its first rank
-    first = dist.get_rank() % (dist.get_world_size() // n_engines) == 0
-    n = len(part)
-    out = tracking.reduce({"eval_pass1": Mean(sum(scores[:n]) * first, n * first),
-                           "eval_mean_at_k": Mean(sum(scores[n:]) * first, n * k * first)})
-    if not k:
-        del out["eval_mean_at_k"]
-    return out, (part, greedy.completions()[:n], scores[:n])
 
 
 def prepare_run(cfg: Config, rank: int) -> None:

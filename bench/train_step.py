@@ -74,7 +74,7 @@ def run_one(args, variant: str) -> dict:
     import fsdp_utils
     import grpo
     import logprobs
-    from rollout import Sample
+    from records import Sample
     from train_grpo import init_distributed
 
     npu_ops.setup_env()

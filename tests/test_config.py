@@ -48,6 +48,26 @@ def test_wrong_type_names_field(tmp_path):
         load_config(write(tmp_path, "optim:\n  lr: [1, 2]\n"))
 
 
+def test_a_sub_section_from_yaml_and_the_command_line(tmp_path):
+    """rollout.partial is a section inside a section: a YAML mapping or dotted keys; a typo in
+    it, or a value given for the whole sub-section, is one line naming it."""
+    path = write(tmp_path, "rollout:\n  max_new_tokens: 8\n  partial:\n    enabled: true\n"
+                           "    round_tokens: 4\n")
+    cfg = load_config(path, ["--rollout.partial.oversample=1.5"])
+    assert (cfg.rollout.max_new_tokens, cfg.rollout.partial.enabled) == (8, True)
+    assert (cfg.rollout.partial.round_tokens, cfg.rollout.partial.oversample) == (4, 1.5)
+    assert Config().rollout.partial.round_tokens == 0  # the defaults are each tree's own
+    with pytest.raises(config.BadInput, match=r"unknown config key 'rollout.partial.round_tokns'"
+                                              r".*'rollout.partial.round_tokens'"):
+        load_config(None, ["--rollout.partial.round_tokns=4"])
+    with pytest.raises(config.BadInput, match=r"rollout.partial: a section of its own"):
+        load_config(None, ["--rollout.partial=true"])
+    with pytest.raises(config.BadInput, match=r"rollout.partial.oversample: expected float"):
+        load_config(write(tmp_path, "rollout:\n  partial:\n    oversample: [1]\n"))
+    with pytest.raises(config.BadInput, match=r"unknown config key 'rollout.max_new_tokens.x'"):
+        load_config(None, ["--rollout.max_new_tokens.x=1"])
+
+
 def test_missing_file():
     with pytest.raises(config.BadInput, match="config file not found: nope.yaml"):
         load_config("nope.yaml")
@@ -90,6 +110,11 @@ def test_shipped_config_loads():
     ("--env.name=os:getcwd", 1, "env.name: 'os:getcwd' cannot be called with two arguments"),
     ("--env.name=retry --env.max_tokens=100", 1, "data.max_prompt_len + env.max_tokens must be"),
     ("--env.name=retry --env.max_turns=0", 1, "env.max_turns=0"),
+    ("--rollout.partial.enabled=true", 1, "rollout.partial.enabled needs"),
+    ("--rollout.partial.enabled=true --rollout.partial.round_tokens=4", 1,
+     "rollout.partial.round_tokens=4 never cuts a turn of rollout.max_new_tokens=4"),
+    ("--rollout.partial.stale=drop", 1, "rollout.partial.stale='drop'"),
+    ("--rollout.partial.oversample=0.5", 1, "rollout.partial.oversample=0.5: must be >= 1"),
 ])
 def test_derived_constraints(override, world, message):
     cfg = load_config("configs/tiny_cpu.yaml", override.split())
@@ -272,21 +297,25 @@ def test_every_field_has_a_domain_and_refuses_values_outside_it(tiny_task_dir):
     that field, before anything loads; a wrong type fails at load time, naming the field too."""
     import copy
     import dataclasses
+    import functools
     import typing
 
     base = load_config("configs/tiny_cpu.yaml", [f"--data.tiny_task_dir={tiny_task_dir}"])
     validate(base, 1)  # the shipped values lie inside every domain
     tried, walked = 0, 0
+    def section(cfg, path):  # rollout.partial -> cfg.rollout.partial
+        return functools.reduce(getattr, path, cfg)
+
     for name, value, domain, default in config.fields(base):
         walked += 1
-        sec, key = name.split(".")
-        typ = typing.get_type_hints(type(getattr(base, sec)))[key]
+        *path, key = name.split(".")
+        typ = typing.get_type_hints(type(section(base, path)))[key]
         assert domain.problem(default) is None, f"{name}: its default is outside its domain"
         for bad in domain.outside():
             if typ is int and not (isinstance(bad, int) and not isinstance(bad, bool)):
                 continue  # an int field: the type check refuses the rest
             cfg = copy.deepcopy(base)
-            setattr(getattr(cfg, sec), key, float(bad) if typ is float else bad)
+            setattr(section(cfg, path), key, float(bad) if typ is float else bad)
             with pytest.raises(config.BadInput) as e:
                 validate(cfg, 1)
             message = str(e.value)
@@ -298,8 +327,12 @@ def test_every_field_has_a_domain_and_refuses_values_outside_it(tiny_task_dir):
         if wrong is not None:
             with pytest.raises(config.BadInput, match=re.escape(name)):
                 load_config(None, [f"--{name}={wrong}"])
-    sections = [getattr(base, f.name) for f in dataclasses.fields(base)]
-    assert walked == sum(len(dataclasses.fields(s)) for s in sections) and tried > 100, tried
+    def leaves(node):  # the fields of a section, a sub-section's counted as its own
+        return sum(leaves(getattr(node, f.name)) if dataclasses.is_dataclass(getattr(node, f.name))
+                   else 1 for f in dataclasses.fields(node))
+
+    assert walked == leaves(base) and tried > 100, tried
+    assert "rollout.partial.round_tokens" in [name for name, *_ in config.fields(base)]
 
 
 def test_a_field_without_a_domain_is_refused():

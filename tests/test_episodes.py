@@ -6,7 +6,7 @@ import pytest
 
 import envs
 import episodes
-from rollout import Sample
+from records import Sample
 
 EOS = 0
 

@@ -6,13 +6,14 @@ import episodes
 import offload
 import rewards
 import tiny_task
-from rollout import RolloutConfig, Sample
-from train_grpo import evaluate
+from records import Sample
+from rollout import RolloutConfig
+import evaluation
 
 
 class ScriptedEngine:
     """Answers prompt i greedily with greedy[i] and, sampled, with sampled[i] (k answers); records
-    the weight push and the sleep that evaluate() owes the engine."""
+    the weight push and the sleep that evaluation.run() owes the engine."""
 
     def __init__(self, greedy, sampled):
         self.cfg, self.greedy, self.sampled = RolloutConfig(dtype="float32"), greedy, sampled
@@ -53,8 +54,8 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
         one_turn = episodes.Episodes(episodes.EnvConfig(), BytesTokenizer(), False, "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
             switch = offload.Switch(actor, None, engine, enabled=False)
-            scores, (part, texts, per_example) = evaluate(switch, examples, scorer, one_turn, 0,
-                                                          1, k=3)
+            scores, (part, texts, per_example) = evaluation.run(switch, examples, scorer,
+                                                                one_turn, 0, 1, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after

@@ -7,7 +7,7 @@ import torch
 
 import grpo
 import tiny_task
-from rollout import Sample
+from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 
 

@@ -11,7 +11,7 @@ from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, grpo
                   kl_penalty, masked_entropy_sum, mismatch_stats, mismatch_weights,
                   overlong_penalty, split_mini_batches, take_groups, token_logprobs)
 from logprobs import pad_batch, plan_micro_batches
-from rollout import Sample
+from records import Sample
 
 
 def test_advantages_hand_computed():

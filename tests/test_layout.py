@@ -20,17 +20,21 @@ ALLOWED = {
     "offload": {"npu_ops"},  # the actor parked in host memory, the guarded switch
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
     "fsdp_utils": {"npu_ops", "offload", "domains", "kernels"}, "checkpoint": {"npu_ops"},
-    "rollout": {"npu_ops", "tracking", "domains"},
+    "records": {"tracking"},  # what a rollout produced: Sample, Rollout
+    # carried groups across steps (and its config section, which rollout's holds)
+    "partial": {"records", "domains", "tracking"},
+    "rollout": {"npu_ops", "records", "partial", "domains"},
+    "evaluation": {"tracking", "weight_sync"},  # held-out pass@1 and mean@k
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "offload", "tracking", "domains"},
     "sandbox": set(),  # the Python tool's confined child
-    "envs": {"plugins", "sandbox"}, "episodes": {"envs", "plugins", "rollout", "sandbox", "domains"},
-    "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "domains"},
+    "envs": {"plugins", "sandbox"}, "episodes": {"envs", "plugins", "records", "sandbox", "domains"},
+    "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains"},
+                   "domains", "records", "partial", "evaluation"},
 }
 
 

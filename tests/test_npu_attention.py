@@ -19,7 +19,7 @@ import kernels
 import logprobs
 import npu_ops
 import tiny_task
-from rollout import Sample
+from records import Sample
 
 
 def rel(a, b):

@@ -20,7 +20,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import tiny_task
-from rollout import Sample
+from records import Sample
 
 
 @pytest.fixture(scope="module")

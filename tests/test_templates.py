@@ -11,7 +11,7 @@ import pytest
 
 import episodes
 import tiny_task
-from rollout import Sample
+from records import Sample
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 

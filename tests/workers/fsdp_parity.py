@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 import fsdp_utils
-from rollout import Sample
+from records import Sample
 from grpo import accumulate_gradients
 from train_grpo import Config, init_distributed
 

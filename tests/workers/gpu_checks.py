@@ -29,7 +29,7 @@ import grpo
 import offload
 import rollout
 import weight_sync
-from rollout import Sample
+from records import Sample
 from train_grpo import init_distributed
 
 KV_BYTES = 1 << 30

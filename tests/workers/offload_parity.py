@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_utils
 import grpo
 import offload
-from rollout import Sample
+from records import Sample
 from train_grpo import init_distributed
 
 model_dir, reshard = sys.argv[1], sys.argv[2] == "1"

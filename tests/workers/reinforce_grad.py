@@ -22,7 +22,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import offload
-from rollout import Sample
+from records import Sample
 from grpo import LOSS_AGGS, split_mini_batches
 from train_grpo import Config, init_distributed
 
