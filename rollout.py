@@ -225,11 +225,14 @@ class Engine:
         group see the same outputs (same seeds), so they stop at the same step.
 
         Through LLMEngine's add_request / step / abort_request, as LLM.generate drives it
-        (vLLM 0.23 and 0.32 v1/engine/llm_engine.py): a prompt as vllm.inputs.engine's
-        tokens_input, which InputProcessor.process_inputs takes as it is (a dict with "type");
-        outputs as RequestOutputKind.DELTA, each step's new tokens with their FlatLogprobs
-        (output_processor.py, _new_completion_output); an aborted request leaves no output, and
-        every token it wrote came in an earlier step's."""
+        (v1/engine/llm_engine.py; run with vLLM 0.32 and 0.23 in CI, 0.26 read): a prompt as
+        vllm.inputs.engine's tokens_input, which InputProcessor.process_inputs takes as it is
+        (a dict with "type"); each request's output once, when it ends (FINAL_ONLY: an output
+        a request a step costs much Python time). What a request cut short wrote so far is read
+        from the output processor's RequestState before the abort (output_processor.py:
+        detokenizer.output_token_ids, logprobs_processor.logprobs, external_req_id; the
+        detokenizer keeps the ids with detokenize=False too): every token that came out of the
+        engine's steps, with its logprob."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
@@ -243,18 +246,19 @@ class Engine:
                     n=1, temperature=0.0 if greedy else self.cfg.temperature,
                     top_p=1.0 if greedy else self.cfg.top_p, max_tokens=m, logprobs=0,
                     flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos,
-                    seed=None if seed is None else seed + i, output_kind=RequestOutputKind.DELTA)
+                    seed=None if seed is None else seed + i,
+                    output_kind=RequestOutputKind.FINAL_ONLY)
                 index[f"s{self.streams}-{i}"] = i  # (never an int: LLM.generate's own ids are)
                 engine.add_request(f"s{self.streams}-{i}", tokens_input(list(prompt)), params)
             while not stopping and engine.has_unfinished_requests():
-                for o in engine.step():
+                for o in engine.step():  # the requests that ended in this engine step
                     i, c = index[o.request_id], o.outputs[0]
-                    if c.token_ids:  # (vLLM 0.23 slices an empty delta's logprobs as [-0:])
-                        out[i][0].extend(c.token_ids)
-                        out[i][1].extend(c.logprobs.logprobs)
-                    if o.finished:
-                        out[i] = (out[i][0], out[i][1], c.finish_reason)
-                        stopping = (stop is not None and stop(i, c.finish_reason)) or stopping
+                    out[i] = (list(c.token_ids), list(c.logprobs.logprobs), c.finish_reason)
+                    stopping = (stop is not None and stop(i, c.finish_reason)) or stopping
+            for state in engine.output_processor.request_states.values():  # cut short
+                ids, lp = list(state.detokenizer.output_token_ids), state.logprobs_processor
+                out[index[state.external_req_id]] = (ids, list(lp.logprobs.logprobs)
+                                                     if ids else [], None)
         finally:  # stopped early, Ctrl-C, or an error: none of ours may stay in the engine
             _abort_unfinished(self.llm)
         for ids, logp, _ in out:
