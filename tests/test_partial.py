@@ -9,6 +9,7 @@ import pytest
 
 import episodes
 import partial
+from test_packing import model_for, world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config
 
 EOS, TAG = 0, 10  # sample j of a group writes TAG + j until its last token, EOS
@@ -243,3 +244,49 @@ def test_a_multi_turn_episode_continues_mid_turn_and_between_turns(tmp_path):
     calls = eps.worker.fns[0].__globals__["CALLS"]
     assert sorted(calls) == sorted([("q1", 1), ("q1", 1), ("q1", 2), ("q1", 2), ("q0", 1),
                                     ("q0", 2), ("q0", 1), ("q0", 2)])
+
+
+def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
+    """With stale: mask, the update's parameter gradients (a packed micro-batch) equal a naive
+    loop's over the tokens this step's weights wrote only, one sample at a time: each token's
+    -adv x ratio x min(ratio to the engine, 2), averaged over those tokens; with stale: keep
+    the older tokens move the parameters too. The model is fp64, the logprobs fp32 in both
+    (grpo.token_logprobs, logprobs.py): the two sum the same fp32 terms in other orders, so
+    they agree to a few fp32 roundings of the gradient's scale, 1e-6 of the largest entry."""
+    import torch
+
+    import grpo
+    from records import Sample
+
+    model = model_for("qwen2").double()  # packed rows attend within each sample
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    for n, fresh_from in ((6, 4), (5, 0), (4, 4)):  # the last: all its tokens stale
+        ids = torch.randint(2, 15, (n,), generator=gen).tolist()
+        engine = (-torch.rand(n, generator=gen, dtype=torch.float64)).tolist()
+        samples.append(Sample(torch.randint(2, 15, (3,), generator=gen).tolist(), ids, engine,
+                              False, None, [1] * fresh_from + [2] * (n - fresh_from)))
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    g = grpo.GRPOConfig(is_correction="tis", is_cap=2.0)
+
+    def update(view):
+        model.zero_grad()
+        grpo.accumulate_gradients(model, view, adv, None, None, g, 0, "cpu", 1.0, 64)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    got = update(partial.for_update(samples, 2, "mask"))
+    model.zero_grad()
+    fresh = sum(v == 2 for s in samples for v in s.versions)
+    for s, a in zip(samples, adv):
+        t = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = grpo.token_logprobs(model(input_ids=t).logits[:, :-1], t[:, 1:])[0, 2:]
+        w = (logp.detach() - torch.tensor(s.logp, dtype=torch.float64)).exp().clamp(max=2.0)
+        ratio = (logp - logp.detach()).exp()
+        keep = torch.tensor([v == 2 for v in s.versions], dtype=torch.float64)
+        (-(a * ratio * w * keep).sum() / fresh).backward()
+    scale = max(p.grad.abs().max().item() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert p.grad.abs().max() > 0, name
+        assert (got[name] - p.grad).abs().max() <= 1e-6 * scale, name
+    kept = update(partial.for_update(samples, 2, "keep"))
+    assert any(not torch.allclose(kept[n], got[n]) for n in got)
