@@ -84,3 +84,13 @@ def timed(fn, repeats: int, pick=statistics.median) -> float:
         npu_ops.synchronize()
         times.append(time.perf_counter() - t)
     return pick(times)
+
+
+def shut_down(engine) -> None:
+    """Shut the engine down, then leave the process group if the shutdown has not (vLLM's
+    ends it: rollout.Engine.shutdown)."""
+    import torch.distributed as dist
+
+    engine.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -91,6 +91,7 @@ def main():
     import rollout
     import tiny_task
     import train_grpo
+    from common import shut_down
     from transformers import AutoTokenizer
 
     train_grpo.init_distributed()  # a world of one, for the engine (or torchrun's)
@@ -135,9 +136,7 @@ def main():
         for mode in ("pooled", "async"):
             out[part][mode]["over_serial"] = round(out[part][mode][key] / serial, 4)
     print(json.dumps(out), flush=True)
-    engine.shutdown()
-    if train_grpo.dist.is_initialized():  # (the engine's shutdown may have ended it)
-        train_grpo.dist.destroy_process_group()
+    shut_down(engine)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import fsdp_utils  # noqa: E402
 import rollout  # noqa: E402
 import weight_sync  # noqa: E402
-from common import add_model_args, model_from_args, timed  # noqa: E402
+from common import add_model_args, model_from_args, shut_down, timed  # noqa: E402
 from train_grpo import init_distributed  # noqa: E402
 
 
@@ -80,9 +80,7 @@ def main() -> None:
             "push_gb_per_s": round(sent["bytes"] / 2**30 / push_s, 2),
             "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2),
             "unit_s": round(unit_s, 3), "unit_ratio": round(unit_s / floor_s, 2)}), flush=True)
-    engine.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shut_down(engine)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""bench/step.py end to end on 2 ranks: the trainer's loop with the floor beside each rollout."""
+"""The benchmarks end to end, small: bench/step.py on 2 ranks (the trainer's loop with the floor
+beside each rollout), bench/envs.py, bench/partial.py."""
 
 import json
 
@@ -45,3 +46,18 @@ def test_envs_bench_times_every_mode(tiny_task_dir):
         assert env[mode]["per_turn_s"] < env["serial"]["per_turn_s"]
         assert env[mode]["over_serial"] == round(
             env[mode]["per_turn_s"] / env["serial"]["per_turn_s"], 4)
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
+def test_partial_bench_runs_both_ways_on_the_same_lengths():
+    """bench/partial.py, small: both ways write every sample's drawn length (the script checks
+    each: off per sample, on by each trained sample's versions), and partial rollout carries
+    samples from step to step on this long-tail workload."""
+    out = launch(["bench/partial.py", "--steps", "4", "--warmup", "1", "--prompts", "2",
+                  "--max-new", "64"], nproc=1)
+    line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    off, on = line["off"], line["on"]
+    assert off["gen_s_per_step"] > 0 and on["gen_s_per_step"] > 0
+    assert line["on_over_off"] == round(on["gen_s_per_step"] / off["gen_s_per_step"], 4)
+    assert on["samples_carried"] > 0 and on["dropped"] == 0 and 0 <= on["stale_token_share"] <= 1
