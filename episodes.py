@@ -5,7 +5,7 @@ With an environment named in `env.name` (envs.py says what one is), each sample 
 an episode. Turn 1 samples `group_size` responses per prompt, as a single-turn rollout does.
 Then, turn after turn, the environment answers every unfinished episode at once (in worker
 processes, each call with a time limit: plugins.Worker; on the first rank of each engine group
-only, which hands the replies to the group's other ranks: rollout.EngineGroup), each reply is
+only, which hands the replies to the group's other ranks: EngineGroup), each reply is
 appended as tokens (through the tokenizer's chat template with data.chat_template, in the role
 the template gives it, its content as text; else as plain text), and the engine generates the
 next turn of every unfinished episode in one call, each with its whole token history as the
@@ -75,6 +75,46 @@ def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
     if max_prompt_len + cfg.max_tokens > max_model_len:
         raise ValueError(f"data.max_prompt_len + env.max_tokens must be <= rollout.max_model_len "
                          f"({max_prompt_len} + {cfg.max_tokens} > {max_model_len})")
+
+
+class EngineGroup:
+    """The ranks of this rank's engine (rollout.tp_size consecutive ranks). `one_answer(fn)` calls
+    fn on the group's first rank only and hands its result to every rank of the group, so that
+    the environments and the rewards answer once per engine: its ranks must pass vLLM identical
+    prompts, which a call cut at its limit on one rank, or one that answers differently each time
+    (a clock, a random draw, a service), would break. One engine per rank: fn runs here."""
+
+    def __init__(self, tp_size: int):
+        import torch.distributed as dist
+
+        self.group, self.src, self.first = None, 0, True
+        if tp_size > 1 and dist.is_initialized():
+            rank = dist.get_rank()
+            for start in range(0, dist.get_world_size(), tp_size):  # every rank makes each group
+                ranks = list(range(start, start + tp_size))
+                group = dist.new_group(ranks, backend="gloo")  # pickled objects, on the host
+                if rank in ranks:
+                    self.group, self.src, self.first = group, start, rank == start
+
+    def one_answer(self, fn):
+        if self.group is None:
+            return fn()
+        import torch.distributed as dist
+
+        box = [None]
+        if self.first:
+            try:
+                box = [("ok", fn())]
+            except BaseException as e:  # the other ranks raise too, instead of waiting forever
+                dist.broadcast_object_list([("raised", f"{type(e).__name__}: {e}")],
+                                           src=self.src, group=self.group)
+                raise
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        kind, value = box[0]
+        if kind == "raised":
+            raise RuntimeError(f"the first rank of this engine group (rank {self.src}) raised "
+                               f"{value}")
+        return value
 
 
 class Replies:
@@ -206,7 +246,7 @@ class Episodes:
                  max_new_tokens: int, group=None):
         self.cfg, self.tokenizer, self.prompt_key = cfg, tokenizer, prompt_key
         self.max_new_tokens = max_new_tokens
-        # rollout.EngineGroup: the environment answers on the first rank of each engine only
+        # EngineGroup: the environment answers on the first rank of each engine only
         self.one_answer = group.one_answer if group is not None else lambda fn: fn()
         self.checked = not chat_template  # the episodes against the template, once a run
         self.worker = self.replies = None

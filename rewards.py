@@ -174,7 +174,7 @@ class Scorer:
 
     def __init__(self, cfg: RewardConfig, group=None):
         validate(cfg)
-        self.group = group  # rollout.EngineGroup: only the first rank of an engine calls
+        self.group = group  # episodes.EngineGroup: only the first rank of an engine calls
         self.specs = list(cfg.funcs)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
         self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward",
