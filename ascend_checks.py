@@ -10,6 +10,10 @@ import importlib.metadata
 # (ascend_config.py; VLLM_ASCEND_ENABLE_NZ is its deprecated fallback there), before from the
 # variable only (envs.py). NPUWorker.wake_up raises unless the mode is 0 (0.23 worker/worker.py).
 NZ_CONFIG_SINCE = (0, 20, 2)
+# LoRA came to vLLM-Ascend in 0.8.4rc1 (PR #521, vllm_ascend/lora/punica_npu.py); its support
+# matrix marks it experimental from 0.15.0rc1 on (PR #6759; still so in 0.23.0). Read from the
+# repository's history, not run: no NPU is reachable from this project's machines.
+LORA_SINCE = (0, 8, 4)
 
 
 # Combinations vLLM-Ascend documents together (its versioning policy); the README repeats them.
@@ -39,7 +43,7 @@ def release(version: str | None) -> tuple | None:
 
 
 def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0) -> list:
+                 top_p: float = 1.0, lora: bool = False) -> list:
     """Ascend misconfigurations, each as one line naming the setting and the fix.
 
     Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
@@ -66,6 +70,14 @@ def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperatur
         errors.append("PYTORCH_NPU_ALLOC_CONF has expandable_segments:True, which vLLM-Ascend's "
                       "sleep-mode memory pool rejects. Fix: unset it or use "
                       "expandable_segments:False")
+    if lora and ascend and (0, 0, 0) < release(ascend) < LORA_SINCE:
+        errors.append(f"model.lora.rank > 0 with vllm-ascend {ascend}, which has no LoRA (from "
+                      "0.8.4rc1 on). Fix: install a newer vllm-ascend (scripts/setup_npu.sh), or "
+                      "model.lora.rank=0 to train every weight")
+    elif lora:
+        warnings.append(f"model.lora: vLLM-Ascend marks LoRA experimental (vllm-ascend {ascend}); "
+                        "the engine's logprobs are checked against the trainer's every step "
+                        "(logp_gap): watch it")
     if ascend and release(ascend) != (0, 0, 0) and vllm and release(ascend) != release(vllm):
         want = ".".join(map(str, release(ascend)))
         errors.append(f"vllm {vllm} with vllm-ascend {ascend}: vLLM-Ascend X.Y.Z runs on vLLM X.Y.Z "

@@ -17,6 +17,7 @@ import torch
 
 import domains
 import episodes
+import fsdp_utils
 import kernels
 import npu_ops
 import offload
@@ -202,6 +203,9 @@ def validate(cfg, world_size: int) -> None:
     per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
     need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
          f"and the samples per rank ({per_rank})")
+    need(not cfg.model.lora.rank or cfg.model.lora.target_modules,
+         "model.lora.target_modules is empty with model.lora.rank > 0. Fix: name the layers "
+         f"that get adapters, e.g. [{', '.join(fsdp_utils.LORA_MODULES)}]")
     need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
          f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs grpo.dynamic_sampling=true")
     need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
@@ -214,7 +218,8 @@ def validate(cfg, world_size: int) -> None:
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
         npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
-        npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p)  # graph mode, sampling
+        npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p,  # graph mode,
+                               cfg.model.lora.rank > 0)  # sampling, LoRA
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
@@ -243,11 +248,13 @@ def check_host_memory(cfg, world_size: int) -> None:
     """BadInput if this node's ranks cannot park the actor and its Adam state (with
     model.offload) and the reference (with grpo.kl_coef > 0) in host memory; the bytes come from
     the model's config.json (offload.host_bytes_per_rank), not its weights."""
-    ref_dtype = getattr(torch, cfg.model.param_dtype) if cfg.grpo.kl_coef > 0 else None
+    compute, lora = getattr(torch, cfg.model.param_dtype), cfg.model.lora.rank > 0
+    ref_dtype = compute if cfg.grpo.kl_coef > 0 and not lora else None  # LoRA: the actor's base
     on = offload.enabled(cfg.model.offload)
     if not (on or ref_dtype):
         return
-    need = offload.host_bytes_per_rank(cfg.model.path, world_size, on, ref_dtype)
+    need = offload.host_bytes_per_rank(cfg.model.path, world_size, on, ref_dtype,
+                                       compute if lora else None)
     try:
         offload.check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   offload.host_memory_available())
@@ -267,6 +274,12 @@ def check_model(cfg) -> None:
     with open(os.path.join(path, "config.json")) as f:
         text = json.load(f)
     text = text.get("text_config", text)  # a multimodal model's language part
+    kind = text.get("model_type")
+    if cfg.model.lora.rank and kind not in fsdp_utils.FAMILIES:
+        raise BadInput(f"config: model.lora.rank={cfg.model.lora.rank} on a {kind!r} model: "
+                       "adapters go on the linear layers fsdp_utils.LORA_MODULES names, in the "
+                       f"families of fsdp_utils.FAMILIES ({', '.join(fsdp_utils.FAMILIES)}). Fix: "
+                       "add the family's row (and its layers' names), or model.lora.rank=0")
     positions = text.get("max_position_embeddings")
     if positions and r.max_model_len > positions:
         raise BadInput(f"config: rollout.max_model_len={r.max_model_len} is more than the "

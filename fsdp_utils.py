@@ -8,9 +8,10 @@ then the root, materialise shards with `to_empty`, and fill them from one full c
 Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts them for compute.
 """
 
+import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
@@ -21,9 +22,25 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import kernels
 import npu_ops
 import offload
-from domains import DTYPE, FLAG, Anything, OneOf, Range
+from domains import DTYPE, FLAG, Anything, Items, OneOf, Range
 
 log = logging.getLogger("grpo")
+
+
+# The decoder's linear layers, by their Hugging Face names in the families we know (FAMILIES):
+# where LoRA adapters may go (vLLM's LoRA layers take these, packed as qkv and gate_up).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    # adapters of this rank on a frozen base (peft); 0: off, every weight trained
+    rank: Annotated[int, Range(0, 512)] = 0
+    alpha: Annotated[float, Range(0, lo_open=True)] = 16.0  # the update is scaled by alpha / rank
+    dropout: Annotated[float, Range(0, 1, hi_open=True)] = 0.0  # on the adapters' input
+    # the decoder's linear layers that get adapters
+    target_modules: Annotated[list[str], Items(OneOf(*LORA_MODULES))] = field(
+        default_factory=lambda: list(LORA_MODULES))
 
 
 @dataclass
@@ -45,6 +62,7 @@ class ModelConfig:
     # params + optimizer state in host memory while the engine generates: auto = on where the
     # engine sleeps on an accelerator beside the actor, off on CPU
     offload: Annotated[str, OneOf("auto", "on", "off")] = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters on a frozen base
 
 
 @dataclass
@@ -147,6 +165,17 @@ FAMILIES = {
 }
 
 
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def hf_name(name: str) -> str:
+    """A parameter's or module's Hugging Face name: without the prefixes that torch.compile,
+    activation checkpointing or FSDP1 wrappers add (FSDP2 keeps the names as they are)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def family(model_type: str) -> Family:
     return FAMILIES.get(model_type, Family())
 
@@ -169,21 +198,27 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
     (nothing to update, so no fp32 master copy), no gradients, and parked off the accelerator
-    (offload.park) between its forward passes."""
+    (offload.park) between its forward passes. With model.lora: adapters on a frozen base held
+    in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     attn = register_attention(attn)
-    dtype = getattr(torch, cfg.param_dtype) if reference else torch.float32
+    lora = cfg.lora.rank > 0 and not reference
+    dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
-    patched = patch_kernels(model, cfg.fused_kernels)
+    if lora:
+        add_adapters(model, cfg.lora)
+    patched = patch_kernels(model, cfg.fused_kernels)  # (the MLP's calls its projections)
     log.info("%s: attention %s; kernels: %s", "reference" if reference else "actor", attn,
              "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
         full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        if lora:  # the adapters' initial values: lora_A random (this rank's RNG), lora_B 0
+            add_adapters(full, cfg.lora)
     if cfg.gradient_checkpointing and not reference:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype),
@@ -202,6 +237,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
             buf.copy_(ref[name])
         dist.broadcast(buf, src=0)
     del full
+    log.info("%s: %d parameters, %d of them trained", "reference" if reference else "actor",
+             sum(p.numel() for p in model.parameters()), trainable(model))
     if reference:
         model.requires_grad_(False)
         model.eval()
@@ -209,8 +246,60 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     return model
 
 
+def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
+    """LoRA on `model`, in place (peft.inject_adapter_in_model: it stays the transformers model
+    it was, its config, body and output layer where they were): each target linear layer wraps
+    its frozen base (`...q_proj.base_layer.weight`) beside lora_A (rank x in) and lora_B (out x
+    rank, zero at first), its output the base's plus alpha / rank x B(A(dropout(x))). Every other
+    weight is frozen too. The adapters are fp32, the optimizer's master copy; the base keeps
+    the model's dtype (the compute dtype: nothing updates it)."""
+    import peft
+
+    peft.inject_adapter_in_model(peft.LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules)), model)
+    for _, module in adapters(model):
+        module.lora_A.float()
+        module.lora_B.float()
+
+
+def adapters(model: torch.nn.Module) -> list:
+    """[(the adapted layer's Hugging Face name, its peft LoRA layer)], in the model's order;
+    [] for a model without adapters."""
+    return [(hf_name(name), m) for name, m in model.named_modules()
+            if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+@contextlib.contextmanager
+def reference(ref: torch.nn.Module):
+    """`ref` as the frozen reference for a forward pass: a separate reference brought out of
+    host memory (offload.unparked), or, for an actor with adapters (model.lora), the actor
+    itself with its adapters off: the base model, the reference for free. peft's own switch
+    (enable_adapters) would also flip the adapters' requires_grad, which FSDP2 reads to reduce
+    gradients: only the flag peft's forward reads is set here."""
+    layers = [m for _, m in adapters(ref)]
+    if not layers:
+        with offload.unparked(ref):
+            yield ref
+        return
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield ref
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+def trainable(model: torch.nn.Module) -> int:
+    """The parameters that train (all of them, or with adapters theirs), over every rank."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    """AdamW on the parameters that train (with adapters, theirs only) and its schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
 
     def lr_factor(step: int) -> float:

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 import fsdp_utils
 import logprobs
-import offload
 import tracking
 from domains import FLAG, OneOf, Range
 
@@ -369,8 +368,8 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     old_logp = (None if on_policy
                 else logprobs.sample_logprobs(actor, samples, g, pad_id, device, temperature))
     ref_logp = None
-    if ref is not None:  # the frozen reference lives off the accelerator between its passes
-        with offload.unparked(ref):
+    if ref is not None:  # the frozen reference: out of host memory, or the actor's base (LoRA)
+        with fsdp_utils.reference(ref):
             ref_logp = logprobs.sample_logprobs(ref, samples, g, pad_id, device, temperature)
     logprobs_time = time.perf_counter() - t
     loss_tokens, norms = 0, []

@@ -283,11 +283,12 @@ def check_engine() -> str | None:
 # ----------------------------------------------------------------------------------------------
 # 3) checks (before any model loads): ascend_checks.py holds them
 
-def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> None:
+def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                   lora: bool = False) -> None:
     """Run the checks of the platform this process is on; warnings go to the log."""
     if npu_installed():
         for line in ascend_checks.check_ascend(dict(os.environ), ascend_checks.installed_versions(),
-                                               graph_mode, temperature, top_p):
+                                               graph_mode, temperature, top_p, lora):
             log.warning(line)
 
 

@@ -265,17 +265,20 @@ def enabled(mode: str) -> bool:
     return {"on": True, "off": False}.get(mode, npu_ops.engine_supports_sleep())
 
 
-def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dtype=None) -> int:
+def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dtype=None,
+                        frozen_dtype=None) -> int:
     """The host memory the parks of one rank take: with the offload, the actor's fp32 shards and
-    Adam's two fp32 moments (12 bytes per parameter over the ranks); with a reference, its shards
-    in `reference_dtype`. Counted on a model built on the meta device from config.json (no
-    weights read)."""
+    Adam's two fp32 moments (12 bytes per parameter over the ranks), or with adapters on a base
+    frozen in `frozen_dtype`, that base's shards (the adapters and their moments, a few percent
+    at most, not counted); with a reference, its shards in `reference_dtype`. Counted on a model
+    built on the meta device from config.json (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     params = sum(p.numel() for p in model.parameters())  # a tied embedding once
-    per_param = (12 if offload else 0) + (reference_dtype.itemsize if reference_dtype else 0)
+    actor = frozen_dtype.itemsize if frozen_dtype is not None else 12
+    per_param = (actor if offload else 0) + (reference_dtype.itemsize if reference_dtype else 0)
     return -(-params // world) * per_param
 
 
