@@ -7,6 +7,9 @@ state) from rank 0. Written to step_N.tmp and renamed to step_N once complete (a
 filesystem is atomic), so whatever kills the run mid-write, the newest step_N is whole. Layout:
     out_dir/checkpoints/step_000120/{*.distcp, .metadata, rng_rank*.pt, trainer_state.json}
 Every rank writes into the same directory: on several nodes it must be a shared filesystem.
+With adapters (model.lora) a checkpoint holds what trains, the adapters and their optimizer
+state (the frozen base is the model's own checkpoint), and the export writes both the merged
+model and the adapter in peft's format (adapter/).
 """
 
 import glob
@@ -25,12 +28,29 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import npu_ops
 
+TRAINED = StateDictOptions(ignore_frozen_params=True)  # a checkpoint's: what trains
 
-def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None = None) -> None:
+
+def trained_state(model: torch.nn.Module) -> dict:
+    """The model's state dict of what trains: every weight, or on a frozen base (LoRA) the
+    adapters alone. (torch's ignore_frozen_params keeps a tied output layer, which the state
+    dict lists apart from the frozen embedding it shares: a vocabulary-sized matrix.)"""
+    sd = get_model_state_dict(model, options=TRAINED)
+    if all(p.requires_grad for p in model.parameters()):
+        return sd
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sd.items() if k in names}
+
+
+def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None = None,
+            lora=None) -> None:
     """Export a Hugging Face checkpoint that transformers and vLLM load: model.safetensors,
     config.json, generation_config.json (the `source` model's, when it has one: its eos and
-    sampling defaults) and the tokenizer. Every rank must call (the full state dict is gathered);
-    rank 0 writes to out_dir.tmp and renames it, so out_dir is always a whole export."""
+    sampling defaults) and the tokenizer. With adapters (`lora`: fsdp_utils.LoraConfig), the
+    weights are merged (W + alpha / rank x B A, in fp32, in W's dtype) and the adapter alone is
+    written too, in peft's format, under adapter/. Every rank must call (the full state dict is
+    gathered); rank 0 writes to out_dir.tmp and renames it, so out_dir is always a whole
+    export."""
     from transformers import GenerationConfig
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -40,11 +60,32 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
         shutil.rmtree(tmp, ignore_errors=True)
         if source and os.path.isfile(os.path.join(source, "generation_config.json")):
             model.generation_config = GenerationConfig.from_pretrained(source)
+        if lora is not None and lora.rank:
+            sd, layers = merged(sd, lora.alpha / lora.rank)
+            save_adapter(os.path.join(tmp, "adapter"), layers, lora, source)
         model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     dist.barrier()
+
+
+def merged(sd: dict, scaling: float) -> tuple[dict, dict]:
+    """A full state dict with adapters (peft's names: `X.base_layer.weight`, `X.lora_A.<name>.
+    weight`, ...) as Hugging Face names with each adapted weight merged, W + scaling x B A;
+    and the adapters, {X: (lora_A, lora_B)}."""
+    out, layers = {}, {}
+    for name, value in sd.items():
+        if ".lora_" in name:
+            layer, kind = name.split(".lora_")[0], name.split(".lora_")[1][0]  # "A" or "B"
+            layers.setdefault(layer, {})[kind] = value
+        else:
+            out[name.replace(".base_layer.", ".")] = value
+    for layer, ab in layers.items():
+        w = out[f"{layer}.weight"]
+        delta = scaling * ab["B"].float() @ ab["A"].float()
+        out[f"{layer}.weight"] = (w.float() + delta).to(w.dtype)
+    return out, {layer: (ab["A"], ab["B"]) for layer, ab in layers.items()}
 
 
 def _rng_state() -> dict:
@@ -72,8 +113,8 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed write of this step left
     dist.barrier()
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": trained_state(model),
+             "optim": get_optimizer_state_dict(model, optimizer, options=TRAINED)}
     dcp.save(state, checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if own is not None:
@@ -109,11 +150,13 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, schedule and this rank's RNG states in place (every rank);
     returns trainer_state.json ("step" and what save_checkpoint got as `extra`) and, as "rank",
     this rank's own state (save_checkpoint's `rank`; None when it saved none)."""
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": trained_state(model),
+             "optim": get_optimizer_state_dict(model, optimizer, options=TRAINED)}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    frozen = not all(p.requires_grad for p in model.parameters())  # (the base is the model's)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(
+        ignore_frozen_params=True, strict=not frozen))
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=TRAINED)
     rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.exists(rng):  # absent when resuming on more ranks than saved
         _set_rng_state(torch.load(rng, weights_only=False))
@@ -123,3 +166,21 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     own = os.path.join(path, f"rank_state{dist.get_rank()}.pt")
     saved["rank"] = torch.load(own, weights_only=False) if os.path.exists(own) else None
     return saved
+
+
+def save_adapter(path: str, layers: dict, lora, base: str | None = None) -> None:
+    """An adapter in peft's format (adapter_config.json, adapter_model.safetensors), which
+    peft.PeftModel.from_pretrained and vLLM's LoRARequest read: `layers` {HF name of an adapted
+    layer: (lora_A, lora_B)}, `lora` its rank, alpha and dropout (fsdp_utils.LoraConfig),
+    `base` the base model's path or hub id, if known."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({f"base_model.model.{name}.lora_{k}.weight": t.detach().cpu().contiguous()
+               for name, pair in layers.items() for k, t in zip("AB", pair)},
+              os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+                   "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+                   "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layers}),
+                   "base_model_name_or_path": base}, f)
