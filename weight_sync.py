@@ -19,6 +19,9 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
   - "tensor": one all-gather per parameter, of its shard cast to the engine's dtype first (a
     bf16 engine: half the bytes of the fp32 shards on the wire), handed over, dropped.
   bench/weight_sync.py times both (the README has what it printed).
+With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
+whole (one all-gather each: they are small) into `rollout.Engine.load_adapter`, which writes them
+into the engine's adapter slot in place; the engine's base never changes.
 """
 
 import time
@@ -28,15 +31,6 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_utils
 import npu_ops
-
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def hf_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
     """[(FSDP unit, names of the parameters it owns)] in the order the engine takes them best:
@@ -58,9 +52,10 @@ def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str
                       if ".".join(path[:i]) in modules), None)
         owned.setdefault(owner, []).append(pname)
     embedding = fsdp_utils.family(model.config.model_type).embedding
-    groups = [(modules.get(owner), sorted(names, key=lambda n: hf_name(n) == embedding))
+    last = lambda name: fsdp_utils.hf_name(name) == embedding  # noqa: E731
+    groups = [(modules.get(owner), sorted(names, key=last))
               for owner, names in owned.items()]  # sorts are stable: the rest keep their order
-    return sorted(groups, key=lambda group: hf_name(group[1][-1]) == embedding)
+    return sorted(groups, key=lambda group: last(group[1][-1]))
 
 
 def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool):
@@ -86,13 +81,27 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
     tied = getattr(model.config, "tie_word_embeddings", False)
     names = fsdp_utils.family(model.config.model_type)  # a tied model's two names
     for name, full in full_params(model, dtype, by_unit):
-        name = hf_name(name)
+        name = fsdp_utils.hf_name(name)
         stats["bytes"] += full.numel() * full.element_size()
         yield name, full
         if tied and name == names.embedding:
             stats["bytes"] += full.numel() * full.element_size()
             yield names.output, full
         del full
+
+
+def full_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> dict:
+    """{HF name of an adapted layer: (lora_A, lora_B)}, whole tensors in `dtype`, gathered from
+    their FSDP2 shards (every rank must call)."""
+    out = {}
+    for name, layer in fsdp_utils.adapters(model):
+        pair = []
+        for part in (layer.lora_A, layer.lora_B):
+            weight = part[layer.active_adapters[0]].weight.detach().to(dtype)
+            pair.append(weight.full_tensor() if hasattr(weight, "full_tensor") else weight)
+            stats["bytes"] += pair[-1].numel() * pair[-1].element_size()
+        out[name] = tuple(pair)
+    return out
 
 
 @torch.no_grad()
@@ -113,11 +122,13 @@ def push(model: torch.nn.Module, engine, before_weights=None, before_kv_cache=No
             call()
             moves += time.perf_counter() - t
 
-    stats = {"bytes": 0}
+    stats, dtype = {"bytes": 0}, getattr(torch, engine.cfg.dtype)
     move(before_weights)
     engine.wake(["weights"])
-    engine.load_weights(iter_full_params(model, getattr(torch, engine.cfg.dtype), stats,
-                                         engine.cfg.sync_by == "unit"))
+    if engine.lora is not None:
+        engine.load_adapter(full_adapters(model, dtype, stats))
+    else:
+        engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit"))
     move(before_kv_cache)
     engine.wake(["kv_cache"])
     npu_ops.synchronize()
