@@ -201,7 +201,7 @@ def setup(cfg: Config) -> Run:
         run.eval_examples = (data.load_examples(cfg.data, run.tokenizer, cfg.data.eval_split,
                                                 cfg.data.eval_path)
                              if cfg.log.eval_every and cfg.data.eval_path else run.examples)
-        group = rollout.EngineGroup(cfg.rollout.tp_size)  # rewards, environments: once an engine
+        group = episodes.EngineGroup(cfg.rollout.tp_size)  # rewards, environments: once an engine
         run.scorer = rewards.Scorer(cfg.reward, group)  # worker processes: a hang is cut
         run.episodes = episodes.Episodes(cfg.env, run.tokenizer, cfg.data.chat_template,
                                          cfg.data.prompt_key, cfg.rollout.max_new_tokens, group)
@@ -209,13 +209,15 @@ def setup(cfg: Config) -> Run:
             run.carry = partial.Carry(cfg, (run.engine_idx, run.n_engines), run.tp_rank == 0,
                                       lambda i: run.examples[run.order[i % len(run.examples)]])
         # the engine first: building vLLM reseeds torch
-        run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.engine_idx)
+        run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.engine_idx,
+                                    lora=cfg.model.lora)  # with adapters: LoRA on
         run.engine.sleep()  # before the actor loads: the memory is training's until the sync
         torch.manual_seed(cfg.train.seed)
         mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
         run.actor = fsdp_utils.build_actor(cfg.model, mesh)
-        if cfg.grpo.kl_coef > 0:
-            run.ref = fsdp_utils.build_actor(cfg.model, mesh, reference=True)
+        if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)
+            run.ref = (run.actor if cfg.model.lora.rank
+                       else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
         run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
         run.switch = offload.Switch(run.actor, run.opt, run.engine,
                                     enabled=offload.enabled(cfg.model.offload))
@@ -314,7 +316,7 @@ def train_step(run: Run, return_rollout: bool = False):
         "step": step, **ro.metrics(len(groups), run.tp_rank, tp, bool(cfg.env.name)),
         **update, **(run.carry.metrics(samples, step - 1) if run.carry else {}),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
-        "sync_gb": sync["bytes"] / 2**30,
+        "sync_gb": sync["bytes"] / 2**30, "trainable_params": fsdp_utils.trainable(run.actor),
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
         **{f"{k}_time_s": v for k, v in times.items()}, **run.engine.memory_metrics(),
         **run.switch.metrics()})
@@ -349,7 +351,8 @@ def train(cfg: Config) -> dict:
         while run.step < run.cfg.train.steps:
             metrics = train_step(run)
         checkpoint.save_hf(run.actor, run.tokenizer, os.path.join(run.cfg.log.out_dir, "final"),
-                           source=run.cfg.model.path)  # the run's copy: the tiny task's path
+                           source=run.cfg.model.path,  # the run's copy: the tiny task's path
+                           lora=run.cfg.model.lora)
     return metrics
 
 
