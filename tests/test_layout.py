@@ -23,15 +23,17 @@ ALLOWED = {
     "records": {"tracking"},  # what a rollout produced: Sample, Rollout
     # carried groups across steps (and its config section, which rollout's holds)
     "partial": {"records", "domains", "tracking"},
-    "rollout": {"npu_ops", "records", "partial", "domains"},
+    "rollout": {"npu_ops", "records", "partial", "domains", "checkpoint", "tracking"},
     "evaluation": {"tracking", "weight_sync"},  # held-out pass@1 and mean@k
     "weight_sync": {"npu_ops", "fsdp_utils"},
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
-    "grpo": {"fsdp_utils", "logprobs", "offload", "tracking", "domains"},
+    "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
     "sandbox": set(),  # the Python tool's confined child
-    "envs": {"plugins", "sandbox"}, "episodes": {"envs", "plugins", "records", "sandbox", "domains"},
-    "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains"},
+    "envs": {"plugins", "sandbox"},
+    "episodes": {"envs", "plugins", "records", "sandbox", "domains"},
+    "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
+               "fsdp_utils"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "records", "partial", "evaluation"},

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+import fsdp_utils
 import tiny_task
 import weight_sync
 from rollout import RolloutConfig
@@ -61,7 +62,7 @@ def test_push_order_names_dtype_and_tied_head():
 
 
 def test_wrapper_prefixes_are_stripped():
-    assert weight_sync.hf_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj"
+    assert fsdp_utils.hf_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj"
                                ".weight") == "model.layers.0.mlp.up_proj.weight"
 
 
@@ -170,7 +171,7 @@ def test_a_sleeping_engine_wakes_before_it_shuts_down(monkeypatch):
 def test_only_the_rotary_reload_warning_is_dropped():
     import logging
 
-    import rollout
+    import tracking
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     seen = []
@@ -178,8 +179,8 @@ def test_only_the_rotary_reload_warning_is_dropped():
     handler.emit = lambda record: seen.append(record.getMessage())
     logger.addHandler(handler)
     try:
-        rollout.quiet_rotary_reload_warning()
-        rollout.quiet_rotary_reload_warning()  # idempotent: one filter
+        tracking.quiet_rotary_reload_warning()
+        tracking.quiet_rotary_reload_warning()  # idempotent: one filter
         for layer in ("RotaryEmbedding", "AscendRotaryEmbedding", "QKVParallelLinear"):
             logger.warning("%s: Failed to load weights", layer)
         logger.warning("something else about RotaryEmbedding")

