@@ -4,44 +4,75 @@
 #      pinned host memory, engine == trainer after a bf16 sync, an update with no token to learn
 #      from, a few steps that exit cleanly, steps after a Ctrl-C caught in a reward);
 #   2. the tiny task for 100 steps (configs/tiny_cpu.yaml);
-#   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses).
-# Prints one summary at the end; exit code 0 when every part passed. Logs stay in $OUT.
+#   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses);
+#   4. a LoRA run (configs/lora_cpu.yaml, 30 steps, a KL term against the base): the adapter
+#      pushed in place each step, the engine sleeping with LoRA on.
+# Prints one summary at the end, of every part whose log is in $OUT; exit code 0 when all four
+# passed. Logs stay in $OUT.
 #   bash scripts/gpu_check.sh                      # PYTHON=python3.12 to choose the interpreter
+#   OUT=/tmp/gc PARTS="tests tiny" bash scripts/gpu_check.sh; OUT=/tmp/gc PARTS="bench lora" ...
+#                                                  # in two runs (one summary of all four)
 # An offline GPU machine gets vLLM as ../shared/gpu/README.md says (then PYTHONPATH=/tmp/site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXX)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+PARTS=${PARTS-tests tiny bench lora}  # empty: only the summary
+mkdir -p "$OUT"
 start=$(date +%s)
 
-echo "gpu_check: logs in $OUT"
-timeout 480 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
-echo "$?" >"$OUT/tests.rc"
-timeout 240 "$PY" train_grpo.py --config configs/tiny_cpu.yaml --train.steps=100 \
-    --log.out_dir="$OUT/tiny" --log.eval_every=100 --data.tiny_task_dir="$OUT/tiny_task" \
-    >"$OUT/tiny.log" 2>&1
-echo "$?" >"$OUT/tiny.rc"
-timeout 300 "$PY" bench/step.py --config configs/qwen2.5-0.5b-gsm8k-cuda1.yaml \
-    --shape qwen2.5-0.5b --prompt-len 128 --rollout.max_new_tokens=512 --steps 4 \
-    >"$OUT/bench.log" 2>&1
-echo "$?" >"$OUT/bench.rc"
+echo "gpu_check: logs in $OUT, parts: $PARTS"
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+if part tests; then
+  timeout 480 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  echo "$?" >"$OUT/tests.rc"
+fi
+if part tiny; then
+  timeout 240 "$PY" train_grpo.py --config configs/tiny_cpu.yaml --train.steps=100 \
+      --log.out_dir="$OUT/tiny" --log.eval_every=100 --data.tiny_task_dir="$OUT/tiny_task" \
+      >"$OUT/tiny.log" 2>&1
+  echo "$?" >"$OUT/tiny.rc"
+fi
+if part bench; then
+  timeout 300 "$PY" bench/step.py --config configs/qwen2.5-0.5b-gsm8k-cuda1.yaml \
+      --shape qwen2.5-0.5b --prompt-len 128 --rollout.max_new_tokens=512 --steps 4 \
+      >"$OUT/bench.log" 2>&1
+  echo "$?" >"$OUT/bench.rc"
+fi
+if part lora; then
+  timeout 300 "$PY" train_grpo.py --config configs/lora_cpu.yaml --train.steps=30 \
+      --grpo.kl_coef=0.01 --log.out_dir="$OUT/lora" --log.eval_every=30 \
+      --data.tiny_task_dir="$OUT/tiny_task" >"$OUT/lora.log" 2>&1
+  echo "$?" >"$OUT/lora.rc"
+fi
 
 "$PY" - "$OUT" "$(( $(date +%s) - start ))" <<'EOF'
 import json, os, re, sys
 
 out, wall = sys.argv[1], int(sys.argv[2])
-read = lambda name: open(os.path.join(out, name), errors="replace").read()
-rc = {part: int(read(f"{part}.rc").strip() or 1) for part in ("tests", "tiny", "bench")}
+def read(name):
+    path = os.path.join(out, name)
+    return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+rc = {part: int(read(f"{part}.rc").strip() or 1) for part in ("tests", "tiny", "bench", "lora")
+      if os.path.exists(os.path.join(out, f"{part}.rc"))}  # the parts run, in this $OUT
 cuda_errors = {part: len(re.findall(r"CUDA [Ee]rror", read(f"{part}.log"))) for part in rc}
-lines = []
+lines, found = [], {}
 
 def json_line(text):
     found = [line for line in text.splitlines() if line.startswith("{")]
     return json.loads(found[-1]) if found else {}
 
+def metrics(part):
+    path = os.path.join(out, part, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+mean = lambda key, rows: sum(r[key] for r in rows) / len(rows)
 tests = read("tests.log")
 counts = re.findall(r"(\d+) (passed|failed|skipped|error)", tests)
+ran = {kind: sum(int(n) for n, k in counts if k == kind) for kind in ("passed", "skipped")}
+found["tests"] = ran["passed"] > 0 and not ran["skipped"]  # skipped: no GPU or no vLLM seen
 gpu = json_line(tests)
 lines.append(f"gpu tests: {', '.join(f'{n} {k}' for n, k in counts) or 'no result'}")
 if gpu:
@@ -52,19 +83,19 @@ if gpu:
                  f"{gpu['freed_by_sleep_gb']:.2f} GiB (KV cache {gpu['kv_cache_gb']:.2f}); bf16 "
                  f"logp gap mean {gpu['logp_gap_mean']:.4f} max {gpu['logp_gap_max']:.4f} "
                  f"(bound {gpu['logp_gap_bound']:.4f})")
-path = os.path.join(out, "tiny", "metrics.jsonl")
-rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+rows = metrics("tiny")
+found["tiny"] = bool(rows)
 if rows:
-    mean = lambda key, part: sum(r[key] for r in part) / len(part)
     evals = [r["eval_pass1"] for r in rows if "eval_pass1" in r]
-    lines.append(f"tiny task: exit {rc['tiny']}, {len(rows)} steps, reward "
+    lines.append(f"tiny task: exit {rc.get('tiny')}, {len(rows)} steps, reward "
                  f"{mean('reward_mean', rows[:10]):.3f} -> {mean('reward_mean', rows[-10:]):.3f}, "
                  f"eval {evals[-1] if evals else float('nan'):.3f}, step "
                  f"{mean('step_time_s', rows[1:] or rows):.3f} s, logp gap "
                  f"{mean('logp_gap', rows):.1e}")
 else:
-    lines.append(f"tiny task: exit {rc['tiny']}, no metrics")
+    lines.append(f"tiny task: exit {rc.get('tiny', 'not run')}, no metrics")
 bench = json_line(read("bench.log"))
+found["bench"] = bool(bench)
 if bench:
     sec = bench["seconds"]
     lines.append(f"bench 0.5B: step {sec['step']:.2f} s (" + ", ".join(
@@ -73,11 +104,25 @@ if bench:
         f"{bench.get('mem_freed_by_sleep_gb', 'n/a')} GiB, by the switch "
         f"{bench.get('mem_freed_by_switch_out_gb', 'n/a')} GiB")
 else:
-    lines.append(f"bench 0.5B: exit {rc['bench']}, no result")
-lines.append(f"CUDA error lines: {cuda_errors}; wall {wall} s")
-ran = {kind: sum(int(n) for n, k in counts if k == kind) for kind in ("passed", "skipped")}
-ok = (all(v == 0 for v in rc.values()) and not any(cuda_errors.values()) and bool(rows)
-      and ran["passed"] > 0 and not ran["skipped"])  # skipped: no GPU or no vLLM seen
+    lines.append(f"bench 0.5B: exit {rc.get('bench', 'not run')}, no result")
+lora = metrics("lora")
+found["lora"] = bool(lora)
+if lora:
+    last = lora[-1]
+    slept = [r["mem_sleep_before_gb"] - r["mem_sleep_after_gb"] for r in lora
+             if "mem_sleep_after_gb" in r]
+    lines.append(f"lora: exit {rc['lora']}, {len(lora)} steps, {last['trainable_params']} "
+                 f"trainable, push {last['sync_gb'] * 2**30 / 1e6:.2f} MB in "
+                 f"{1e3 * mean('sync_time_s', lora[1:] or lora):.1f} ms, logp gap max "
+                 f"{max(r['logp_gap'] for r in lora):.1e}, kl {last['kl']:.4f}, sleep freed "
+                 f"{max(slept) if slept else float('nan'):.2f} GiB, peak "
+                 f"{max(r['mem_peak_gb'] for r in lora):.2f} GiB, eval "
+                 f"{last.get('eval_pass1', float('nan')):.3f}")
+else:
+    lines.append(f"lora: exit {rc.get('lora', 'not run')}, no metrics")
+lines.append(f"CUDA error lines: {cuda_errors}; wall {wall} s (this run)")
+ok = (len(rc) == 4 and all(v == 0 for v in rc.values()) and not any(cuda_errors.values())
+      and all(found.values()))
 print("\n".join([f"gpu_check: {'PASS' if ok else 'FAIL'} {rc}"] + lines))
 sys.exit(0 if ok else 1)
 EOF
