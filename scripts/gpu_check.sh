@@ -5,8 +5,8 @@
 #      from, a few steps that exit cleanly, steps after a Ctrl-C caught in a reward);
 #   2. the tiny task for 100 steps (configs/tiny_cpu.yaml);
 #   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses);
-#   4. a LoRA run (configs/lora_cpu.yaml, 30 steps, a KL term against the base): the adapter
-#      pushed in place each step, the engine sleeping with LoRA on.
+#   4. a LoRA run (configs/lora_cpu.yaml in bf16, 30 steps, a KL term against the base): the
+#      adapter pushed in place each step, the engine sleeping with LoRA on.
 # Prints one summary at the end, of every part whose log is in $OUT; exit code 0 when all four
 # passed. Logs stay in $OUT.
 #   bash scripts/gpu_check.sh                      # PYTHON=python3.12 to choose the interpreter
@@ -25,7 +25,8 @@ start=$(date +%s)
 echo "gpu_check: logs in $OUT, parts: $PARTS"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 if part tests; then
-  timeout 480 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  timeout 480 "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider \
+      >"$OUT/tests.log" 2>&1
   echo "$?" >"$OUT/tests.rc"
 fi
 if part tiny; then
@@ -42,8 +43,9 @@ if part bench; then
 fi
 if part lora; then
   timeout 300 "$PY" train_grpo.py --config configs/lora_cpu.yaml --train.steps=30 \
-      --grpo.kl_coef=0.01 --log.out_dir="$OUT/lora" --log.eval_every=30 \
-      --data.tiny_task_dir="$OUT/tiny_task" >"$OUT/lora.log" 2>&1
+      --model.param_dtype=bfloat16 --rollout.dtype=bfloat16 --grpo.kl_coef=0.01 \
+      --log.out_dir="$OUT/lora" --log.eval_every=30 --data.tiny_task_dir="$OUT/tiny_task" \
+      >"$OUT/lora.log" 2>&1
   echo "$?" >"$OUT/lora.rc"
 fi
 
