@@ -8,6 +8,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def python_path(*extra) -> str:
+    """PYTHONPATH for a child process: the project, `extra`, then this process's own PYTHONPATH
+    (packages can come that way, as on a machine without a package index)."""
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return os.pathsep.join([ROOT, *map(str, extra), *inherited])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -18,7 +25,7 @@ def launch(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None
     """Run `args` under torchrun with `nproc` CPU ranks; fail the test with its output on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     out = proc.stdout + proc.stderr

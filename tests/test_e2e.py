@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launch
+from conftest import ROOT, launch, python_path
 
 KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s", "sync_time_s",
         "train_time_s", "logprobs_time_s", "tokens_per_s", "reward_time_s", "logp_gap",
@@ -145,7 +145,7 @@ assert not dist.is_initialized()  # the run's close() left the process group
 print("REWARDS", json.dumps(rewards))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env = {**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -171,7 +171,7 @@ def test_two_nodes_of_one_rank(tmp_path):
     args = ["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
             f"--data.tiny_task_dir={tmp_path / 'task'}", f"--log.out_dir={tmp_path / 'run'}",
             "--grpo.prompts_per_step=16", "--log.eval_every=2", "--log.save_every=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                "--nproc_per_node=1", f"--node_rank={node}",
                                "--master_addr=127.0.0.1", f"--master_port={port}", *args],
@@ -205,7 +205,7 @@ def test_plugin_reward_trains(tiny_task_dir, tmp_path):
     out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
                   f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
                   "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum"],
-                 timeout=900, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+                 timeout=900, env={"PYTHONPATH": python_path(tmp_path)})
     assert f"step {steps}/{steps} | reward" in out
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     first = sum(r["reward_mean"] for r in rows[:10]) / 10

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launch
+from conftest import ROOT, launch, python_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM (scripts/gpu_check.sh)")]
@@ -41,8 +41,8 @@ def test_few_steps_exit_cleanly(tmp_path):
            "--train.steps=4", "--log.eval_every=2", f"--log.out_dir={tmp_path}",
            f"--data.tiny_task_dir={tmp_path / 'task'}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": python_path()},
+                          capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "CUDA Error" not in out and "CUDA error" not in out, out[-4000:]
@@ -63,7 +63,7 @@ def test_a_step_after_a_caught_ctrl_c(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "tests/workers/caught_error.py", "tiny", "reward",
                            str(tmp_path / "task"), str(tmp_path / "run"), str(tmp_path / "last")],
-                          cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True,
+                          cwd=ROOT, env={**env, "PYTHONPATH": python_path()}, capture_output=True,
                           text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "CAUGHT" in proc.stdout, out[-4000:]

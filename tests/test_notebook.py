@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, python_path
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,8 @@ def caught_error_run(config: str, mode: str, task_dir: str, out: str):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "tests/workers/caught_error.py", config, mode, task_dir,
                            f"{out}/run", f"{out}/last"], cwd=ROOT, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, timeout=600)
+                          env={**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"},
+                          timeout=600)
     assert proc.returncode == 0 and "CAUGHT_ERROR_DONE" in proc.stdout, proc.stderr[-4000:]
     assert ("CAUGHT" in proc.stdout.replace("CAUGHT_ERROR_DONE", "")) == (mode != "none")
     with open(f"{out}/last.json") as f:
@@ -119,5 +120,6 @@ print("NOTEBOOK_OK")
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, timeout=600)
+                          env={**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"},
+                          timeout=600)
     assert proc.returncode == 0 and "NOTEBOOK_OK" in proc.stdout, proc.stderr[-4000:]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
-from conftest import ROOT, free_port, launch
+from conftest import ROOT, free_port, launch, python_path
 
 
 def rows(path):
@@ -64,7 +64,7 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={free_port()}", "tests/workers/kill_in_checkpoint.py", str(marker), "4",
            *common, "--train.steps=6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     with open(tmp_path / "log", "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own group: torchrun and its ranks
