@@ -52,8 +52,8 @@ class RolloutConfig:
     max_num_seqs: Annotated[int, Range(1)] = 256  # concurrent sequences in the engine
     # engine's share of device memory (weights + KV cache)
     gpu_memory_utilization: Annotated[float, Range(0, 1, lo_open=True)] = 0.5
-    # >0: exact KV-cache size instead of the memory fraction; at least one request of
-    #   max_model_len tokens (config.check_model)
+    # >0: exact KV-cache size instead of the memory fraction (which must still be free at the
+    #   engine's start); at least one request of max_model_len tokens (config.check_model)
     kv_cache_memory_bytes: Annotated[int, Range(0)] = 0
     enforce_eager: Annotated[bool, FLAG] = True  # no graph capture (needs its own env on Ascend)
     enable_prefix_caching: Annotated[bool, FLAG] = True  # G samples of one prompt share its KV
@@ -76,8 +76,7 @@ class RolloutConfig:
 
 # SLEEP: why level 2, the cheapest (no host copy of the weights, which every sync overwrites: ~7.6
 # GB of pinned memory per rank for a 7B model at TP=2, and its copies), is safe for the dense
-# models this trainer syncs on both platforms that can sleep. Read from source, not run on
-# hardware by this project (no accelerator lent to it yet):
+# models this trainer syncs (run with vLLM 0.26 on an H100; vLLM-Ascend read, not run):
 # - level 2 discards every engine tensor, buffers too, but the worker keeps the buffers (rotary
 #   cos/sin caches, which no checkpoint holds) on the host and writes them back at the next wake
 #   (vLLM 0.32 v1/worker/gpu_worker.py sleep/wake_up: after a wake that includes "weights";
@@ -111,8 +110,10 @@ class Engine:
             log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
                      "engine memory stays allocated", npu_ops.device_type())
         extra = {"block_size": cfg.block_size} if cfg.block_size else {}
-        memory = ({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes} if cfg.kv_cache_memory_bytes
-                  else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        # with kv_cache_memory_bytes too, vLLM starts only if gpu_memory_utilization of the device
+        # is free (0.26 and 0.32 v1/worker/utils.py request_memory; its default is 0.92)
+        memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
+                  "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes or None}
         if self.lora:  # vLLM's ranks: 1, 8, 16, 32, ... (config/lora.py); smaller ones fit
             extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(
                 r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= self.lora.rank))
@@ -263,8 +264,8 @@ class Engine:
         weights and the adapter's slots stay loaded; vLLM 0.23 and 0.26 (and vLLM-Ascend 0.23)
         have no such sleep, and level 1 copies the weights to host memory and back at the wake,
         the adapter's slots with them (allocated under the "weights" tag: v1/worker/
-        gpu_worker.py load_model), where level 2 would discard them. Read, not run: CPU has no
-        sleep."""
+        gpu_worker.py load_model), where level 2 would discard them. Level 1 with LoRA ran on
+        an H100 with vLLM 0.26 (scripts/gpu_check.sh); the 0.32 path is read, not run."""
         if not self.awake:
             return
         keep = self.lora is not None and hasattr(self.llm, "release_kv_cache_memory")
@@ -348,12 +349,11 @@ class Engine:
         for tensor parallelism and packs q/k/v and gate/up itself; vLLM 0.23, 0.26 and 0.32
         lora/layers, lora/model_manager.py), lora_B scaled by alpha / rank as vLLM keeps it,
         on this rank's worker (collective_rpc runs here with the external launcher: no copy).
-        The first time, or if vLLM ever let the slot go, the adapter is registered anew
-        (LLMEngine.add_lora) from a peft-format copy on a RAM-backed path, and vLLM loads it
-        into a slot at the next request; a slot let go would otherwise come back with the
-        weights vLLM read then. Then the prefix cache is dropped: its keys carry the adapter's
-        name, not its weights (v1/core/kv_cache_utils.py), so KV cached under the last adapter
-        would be reused."""
+        The first time, or if vLLM let the slot go (it would come back with what it read
+        then), the adapter is registered anew (LLMEngine.add_lora) from a peft-format copy on a
+        RAM-backed path, and vLLM loads it into a slot at the next request. Then the prefix
+        cache is dropped: its keys carry the adapter's name, not its weights
+        (v1/core/kv_cache_utils.py), so KV cached under the last adapter would be reused."""
         from vllm.lora.request import LoRARequest
 
         if not self.weights_awake:

@@ -57,6 +57,10 @@ def measure(args) -> dict:
     cfg = fsdp_utils.ModelConfig(path=model, param_dtype=args.dtype)
     if args.mode == "lora":
         cfg.lora = fsdp_utils.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
+    # the engine first, on an empty device, as the trainer builds them
+    engine = rollout.Engine(rollout.RolloutConfig(
+        dtype=args.dtype, max_model_len=256, kv_cache_memory_bytes=64 << 20,
+        max_new_tokens=8), model, lora=cfg.lora)
     actor = fsdp_utils.build_actor(cfg, init_device_mesh(npu_ops.device_type(), (world,)))
     opt, _ = fsdp_utils.build_optimizer(fsdp_utils.OptimConfig(), actor, 10)
     for p in actor.parameters():  # Adam's state exists from its first step
@@ -68,9 +72,6 @@ def measure(args) -> dict:
            "optim_gb": local_bytes(v for s in opt.state.values() for v in s.values()) / 2**30,
            "params": sum(p.numel() for p in actor.parameters()),
            "trainable": sum(p.numel() for p in actor.parameters() if p.requires_grad)}
-    engine = rollout.Engine(rollout.RolloutConfig(
-        dtype=args.dtype, max_model_len=256, kv_cache_memory_bytes=64 << 20,
-        max_new_tokens=8), model, lora=cfg.lora)
     seconds = []
     for _ in range(args.pushes + 1):  # the first one warms up (and registers an adapter)
         t = time.perf_counter()
