@@ -20,10 +20,11 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
     bf16 engine: half the bytes of the fp32 shards on the wire), handed over, dropped.
   bench/weight_sync.py times both (the README has what it printed).
 With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
-whole (one all-gather each: they are small) into `rollout.Engine.load_adapter`, which writes them
-into the engine's adapter slot in place; the engine's base never changes.
+whole (all of them in one all-gather: `gather_rows`) into `rollout.Engine.load_adapter`, which
+writes them into the engine's adapter slot in place; the engine's base never changes.
 """
 
+import math
 import time
 
 import torch
@@ -92,15 +93,47 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
 
 def full_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> dict:
     """{HF name of an adapted layer: (lora_A, lora_B)}, whole tensors in `dtype`, gathered from
-    their FSDP2 shards (every rank must call)."""
-    out = {}
-    for name, layer in fsdp_utils.adapters(model):
-        pair = []
-        for part in (layer.lora_A, layer.lora_B):
-            weight = part[layer.active_adapters[0]].weight.detach().to(dtype)
-            pair.append(weight.full_tensor() if hasattr(weight, "full_tensor") else weight)
-            stats["bytes"] += pair[-1].numel() * pair[-1].element_size()
-        out[name] = tuple(pair)
+    their FSDP2 shards in one all-gather (every rank must call)."""
+    layers = fsdp_utils.adapters(model)
+    weights = [part[layer.active_adapters[0]].weight.detach()
+               for _, layer in layers for part in (layer.lora_A, layer.lora_B)]
+    whole = gather_rows(weights, dtype)
+    stats["bytes"] += sum(t.numel() * t.element_size() for t in whole)
+    return {name: (whole[2 * i], whole[2 * i + 1]) for i, (name, _) in enumerate(layers)}
+
+
+@torch.no_grad()
+def gather_rows(tensors: list, dtype: torch.dtype) -> list:
+    """Whole copies in `dtype` of `tensors`, FSDP2 parameters sharded by rows over one mesh
+    dimension, in a single all-gather (the adapters of a 0.5B model are 336 small tensors: one
+    collective each cost 0.39 s a push on 2 CPU ranks). FSDP2 cuts each tensor as torch.chunk
+    does: ceil(rows / world) rows a rank, the last non-empty rank short, any after it empty; each
+    rank lays its shards end to end, each padded to that many rows, so that every rank's block
+    has the same size, and the whole tensor is the ranks' pieces one after another, trimmed."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not tensors or not isinstance(tensors[0], DTensor):
+        return [t.to(dtype) for t in tensors]
+    mesh = tensors[0].device_mesh
+    if mesh.ndim != 1 or any(t.placements != (Shard(0),) or t.device_mesh != mesh
+                             for t in tensors):
+        return [t.to(dtype).full_tensor() for t in tensors]  # another layout: one at a time
+    world = mesh.size()
+    # each tensor's elements a rank, padded
+    chunk = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in tensors]
+    block = torch.zeros(sum(chunk), dtype=dtype, device=tensors[0].to_local().device)
+    offset = 0
+    for t, n in zip(tensors, chunk):
+        local = t.to_local()
+        block[offset:offset + local.numel()].copy_(local.reshape(-1))
+        offset += n
+    gathered = torch.empty(world * block.numel(), dtype=dtype, device=block.device)
+    torch.distributed.all_gather_into_tensor(gathered, block, group=mesh.get_group())
+    gathered, out, offset = gathered.view(world, -1), [], 0
+    for t, n in zip(tensors, chunk):
+        rows = gathered[:, offset:offset + n].reshape(-1, *t.shape[1:])  # ranks' pieces in order
+        out.append(rows[:t.shape[0]].clone())
+        offset += n
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 
 import fsdp_utils
 import tiny_task
+from conftest import launch
 import weight_sync
 from rollout import RolloutConfig
 
@@ -254,3 +255,10 @@ def test_a_llama_shards_and_syncs_under_its_family_names(tmp_path):
                            engine.received["model.embed_tokens.weight"])
     finally:
         dist.destroy_process_group()
+
+
+def test_all_adapters_in_one_all_gather_equal_each_one_gathered_alone(tiny_task_dir):
+    """weight_sync.gather_rows on 2 ranks, adapters whose rows split unevenly (or leave a rank
+    none), bit-equal to each tensor's own full_tensor (tests/workers/adapter_gather.py)."""
+    out = launch(["tests/workers/adapter_gather.py", f"{tiny_task_dir}/model"])
+    assert out.count("ADAPTER_GATHER_OK") == 2, out[-3000:]
