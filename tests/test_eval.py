@@ -17,7 +17,7 @@ class ScriptedEngine:
 
     def __init__(self, greedy, sampled):
         self.cfg, self.greedy, self.sampled = RolloutConfig(dtype="float32"), greedy, sampled
-        self.calls, self.awake = [], False
+        self.calls, self.awake, self.lora = [], False, None
 
     def wake(self, tags):
         self.calls.append(("wake", tuple(tags)))

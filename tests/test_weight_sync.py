@@ -14,7 +14,7 @@ from rollout import RolloutConfig
 
 class RecordingEngine:
     def __init__(self, dtype):
-        self.cfg = RolloutConfig(dtype=dtype)
+        self.cfg, self.lora = RolloutConfig(dtype=dtype), None
         self.calls, self.received = [], {}
 
     def wake(self, tags):
@@ -99,6 +99,7 @@ def engine_with(fake):
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
     engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(), True, fake
     engine.asleep, engine.weights_awake, engine.memory = False, True, {}
+    engine.lora = engine.adapter = None
     return engine
 
 
@@ -121,6 +122,31 @@ def test_engine_guards_the_wake_order():
     # level 2 by default: the worker restores buffers at the first wake, which must be "weights"
     assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",),
                           ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+
+
+@pytest.mark.engine
+def test_with_adapters_the_engine_sleeps_its_kv_cache_only_where_vllm_can():
+    """With LoRA the base stays loaded: where vLLM has release_kv_cache_memory (0.32) the sleep
+    is level 0 plus that release, the weights stay awake and only the KV cache wakes; where it
+    has not (0.23, 0.26), level 1, which keeps a host copy of the weights and the adapter's slots
+    (level 2 would drop them), and both wake."""
+    import fsdp_utils
+
+    class KeepsWeights(FakeLLM):
+        def release_kv_cache_memory(self):
+            self.calls.append(("release_kv_cache_memory",))
+
+    for fake, expected in [
+            (KeepsWeights(), [("sleep", 0), ("release_kv_cache_memory",),
+                              ("wake_up", ("kv_cache",))]),
+            (FakeLLM(), [("sleep", 1), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))])]:
+        engine = engine_with(fake)
+        engine.lora = fsdp_utils.LoraConfig(rank=8)
+        engine.sleep()
+        engine.wake(["weights"])
+        engine.wake(["kv_cache"])
+        assert fake.calls == expected, type(fake).__name__
+        assert engine.weights_awake and not engine.asleep
 
 
 @pytest.mark.engine
