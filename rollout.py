@@ -78,15 +78,14 @@ class RolloutConfig:
 # GB of pinned memory per rank for a 7B model at TP=2, and its copies), is safe for the dense
 # models this trainer syncs (run with vLLM 0.26 on an H100; vLLM-Ascend read, not run):
 # - level 2 discards every engine tensor, buffers too, but the worker keeps the buffers (rotary
-#   cos/sin caches, which no checkpoint holds) on the host and writes them back at the next wake
-#   (vLLM 0.32 v1/worker/gpu_worker.py sleep/wake_up: after a wake that includes "weights";
-#   vLLM-Ascend 0.23 worker/worker.py NPUWorker.wake_up and vLLM 0.23: at the *first* wake,
-#   whatever its tags, which is why the wake order below is enforced);
+#   cos/sin caches, in no checkpoint) on the host and writes them back at the next wake (vLLM
+#   0.32 v1/worker/gpu_worker.py sleep/wake_up: after a wake with "weights"; vLLM-Ascend 0.23
+#   worker/worker.py NPUWorker.wake_up and vLLM 0.23: at the *first* wake, whatever its tags,
+#   which is why the wake order below is enforced);
 # - our sync then sends every checkpoint tensor, and the layerwise reload (vLLM 0.23 and 0.32,
 #   model_loader/reload/layerwise.py) loads each layer into fresh tensors, runs
-#   process_weights_after_loading and copies the result into the engine's storage: it never reads
-#   what the discarded memory held; layers with no checkpoint tensor keep theirs (the restored
-#   buffers);
+#   process_weights_after_loading and copies the result into the engine's storage, never reading
+#   the discarded memory; layers with no checkpoint tensor keep theirs (the restored buffers);
 # - vLLM-Ascend's own CI runs level 2 with the external launcher, wake weights -> load -> wake
 #   KV (tests/e2e/pull_request/two_card/test_external_launcher.py, Qwen3, identical outputs).
 # Not covered: vLLM-Ascend 0.23 derives MLA models' rotary tables into module globals that are
@@ -99,9 +98,8 @@ class Engine:
 
     def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0,
                  lora=None):
-        """lora: the actor's adapters (fsdp_utils.LoraConfig with rank > 0), or None: the engine
-        then runs with LoRA on, one adapter slot, and every request uses the actor's adapter
-        (load_adapter writes it)."""
+        """lora: the actor's adapters (fsdp_utils.LoraConfig, rank > 0: LoRA on, one adapter
+        slot, every request with the actor's adapter, which load_adapter writes), or None."""
         from vllm import LLM
 
         self.cfg, self.lora = cfg, lora if lora is not None and lora.rank else None
@@ -114,9 +112,13 @@ class Engine:
         # is free (0.26 and 0.32 v1/worker/utils.py request_memory; its default is 0.92)
         memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
                   "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes or None}
-        if self.lora:  # vLLM's ranks: 1, 8, 16, 32, ... (config/lora.py); smaller ones fit
-            extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(
-                r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= self.lora.rank))
+        # LoRA: vLLM's ranks are 1, 8, 16, 32, ... (config/lora.py). At TP > 1 fully sharded (a
+        # rank TP divides): vLLM 0.23's packed q/k/v and gate/up layers run that path's gather
+        # either way (lora/layers/column_parallel_linear.py, apply -> _mcp_apply; fixed by 0.32)
+        if self.lora:
+            extra.update(enable_lora=True, max_loras=1, fully_sharded_loras=cfg.tp_size > 1,
+                         max_lora_rank=min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
+                                           if r >= max(self.lora.rank, cfg.tp_size)))
         allocated = npu_ops.memory_gb()["allocated"]
         self.llm = LLM(
             model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
@@ -262,10 +264,9 @@ class Engine:
         base never changes: where vLLM can free the KV cache alone (0.32: sleep level 0 pauses
         the scheduler, release_kv_cache_memory discards the KV cache; v1/engine/core.py), the
         weights and the adapter's slots stay loaded; vLLM 0.23 and 0.26 (and vLLM-Ascend 0.23)
-        have no such sleep, and level 1 copies the weights to host memory and back at the wake,
-        the adapter's slots with them (allocated under the "weights" tag: v1/worker/
-        gpu_worker.py load_model), where level 2 would discard them. Level 1 with LoRA ran on
-        an H100 with vLLM 0.26 (scripts/gpu_check.sh); the 0.32 path is read, not run."""
+        cannot: level 1 copies the weights and the adapter's slots (under the "weights" tag:
+        v1/worker/gpu_worker.py load_model) to host memory and back, where level 2 would drop
+        them. Level 1 with LoRA ran on an H100 (vLLM 0.26); the 0.32 path is read, not run."""
         if not self.awake:
             return
         keep = self.lora is not None and hasattr(self.llm, "release_kv_cache_memory")
@@ -305,9 +306,8 @@ class Engine:
         self.memory[event] = (before, after)
 
     def memory_metrics(self) -> dict:
-        """The device memory in use (GiB, every allocator) before and after the newest sleep and
-        each wake, as metrics: mem_sleep_before_gb, mem_wake_kv_cache_after_gb, ... (none on
-        CPU)."""
+        """Device memory in use (GiB) before and after the newest sleep and each wake, as
+        metrics: mem_sleep_before_gb, mem_wake_kv_cache_after_gb, ... (none on CPU)."""
         return {f"mem_{event}_{when}_gb": gb for event, pair in self.memory.items()
                 for when, gb in zip(("before", "after"), pair)}
 
