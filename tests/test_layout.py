@@ -71,7 +71,8 @@ def test_only_rollout_imports_vllm():
 
 
 def test_only_fsdp_utils_shards():
-    users = [os.path.basename(p) for p in top_level_files() if "fully_shard" in open(p).read()]
+    users = [os.path.basename(p) for p in top_level_files()  # FSDP2's fully_shard, the word
+             if re.search(r"\bfully_shard\b", open(p).read())]  # (not vLLM's fully_sharded_loras)
     assert users == ["fsdp_utils.py"]
 
 
