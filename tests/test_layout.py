@@ -30,6 +30,7 @@ ALLOWED = {
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
     "sandbox": set(),  # the Python tool's confined child
+    "sandbox_child": set(),  # its program, run as a file with isolated flags
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "sandbox", "domains"},
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",

@@ -4,7 +4,10 @@ host lacks a protection, its test asserts that sandbox.missing() names it, then 
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+import types
 import uuid
 
 import pytest
@@ -166,3 +169,36 @@ def test_the_python_tool_says_at_start_up_what_its_sandbox_lacks(monkeypatch, ca
         episodes.validate(episodes.EnvConfig(name="retry"), 16, 512)  # not the model's code
     (record,) = caplog.records
     assert "network isolation" in record.getMessage()
+
+
+def test_the_launcher_is_a_module_that_runs_nothing_at_import():
+    """sandbox_child imports in a fresh Python that would fail at the first fork, exec, exit or
+    libc load, and prints nothing; then the interpreter has no child process."""
+    code = ("import ctypes, os\n"
+            "def refuse(*args, **kwargs):\n"
+            "    raise AssertionError('ran at import')\n"
+            "for name in ('fork', 'execve', '_exit', 'mkdir', 'chdir', 'kill'):\n"
+            "    setattr(os, name, refuse)\n"
+            "ctypes.CDLL = refuse\n"
+            "import sandbox_child\n"
+            "try:\n"
+            "    os.waitpid(-1, os.WNOHANG)\n"
+            "except ChildProcessError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('a child process')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(sandbox.CHILD),
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+
+
+def test_a_launcher_traceback_names_its_file(monkeypatch):
+    """The launcher runs as a file: an error in it (here a config that is not JSON, handed to
+    it by sandbox._launch) points at a line of sandbox_child.py."""
+    monkeypatch.setattr(sandbox, "json", types.SimpleNamespace(dumps=lambda cfg: "{not json"))
+    proc = sandbox._launch({})
+    out, _ = proc.communicate(timeout=60)
+    out = out.decode()
+    assert proc.returncode == 1, out
+    assert 'sandbox_child.py", line ' in out and ", in main" in out, out
+    assert "JSONDecodeError" in out and "<string>" not in out, out
