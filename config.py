@@ -174,47 +174,16 @@ def _section_fields(section, name: str):
 
 
 def validate(cfg, world_size: int) -> None:
-    """Checks that need no model: fail in a second, not after minutes of loading. First every
-    field against its domain, then what spans fields and modules."""
-    r, g = cfg.rollout, cfg.grpo
+    """Checks that need no model: fail in a second, not after minutes of loading. `cfg` resolved
+    (train_grpo.prepare: presets and the tiny task's paths filled in). Every field against its
+    domain, then what spans fields (`_check_sizes`), the other modules' checks of their
+    sections, and the paths."""
     for name, value, domain, default in fields(cfg):
         if (problem := domain.problem(value)) is not None:
             raise BadInput(f"config: {name}={value!r}: {problem}. Fix: change {name}, or leave "
                            f"it out for its default {default!r}")
-
-    def need(ok, msg):
-        if not ok:
-            raise BadInput(f"config: {msg}")
-
-    need(world_size % r.tp_size == 0,
-         f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
-    engines = world_size // r.tp_size
-    need(g.prompts_per_step % engines == 0,
-         f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of engine "
-         f"groups (world {world_size} / rollout.tp_size {r.tp_size} = {engines})")
-    need(g.prompts_per_step // engines * g.group_size % r.tp_size == 0,
-         "the samples of one engine group (prompts_per_step / engines * group_size) must split "
-         f"evenly over its {r.tp_size} tensor-parallel ranks")
-    need(r.max_new_tokens < r.max_model_len,
-         f"rollout.max_new_tokens={r.max_new_tokens} must be below rollout.max_model_len")
-    need(cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
-         f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
-         f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
-    per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
-    need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
-         f"and the samples per rank ({per_rank})")
-    need(not cfg.model.lora.rank or cfg.model.lora.target_modules,
-         "model.lora.target_modules is empty with model.lora.rank > 0. Fix: name the layers "
-         f"that get adapters, e.g. [{', '.join(fsdp_utils.LORA_MODULES)}]")
-    need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
-         f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs grpo.dynamic_sampling=true")
-    need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
-         f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
-         f"({r.max_new_tokens}); got {g.overlong_buffer}")
-    compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, r.dtype))
-    need(r.sync_by == "tensor" or compute >= engine,
-         f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which would "
-         f"round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the same dtypes")
+    _check_sizes(cfg, world_size)
+    r = cfg.rollout
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
         npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
@@ -225,29 +194,74 @@ def validate(cfg, world_size: int) -> None:
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
     except ValueError as e:
         raise BadInput(str(e)) from None
-    if cfg.model.path or not cfg.data.tiny_task_dir:  # (the tiny task's own model: no path)
-        #   data sources are checked when they load (data.py)
-        need(cfg.model.path and (os.path.isdir(cfg.model.path) or cfg.model.path.count("/") == 1),
-             f"model.path='{cfg.model.path}' is neither a directory nor a hub id (org/name)")
-        need(not os.path.isdir(cfg.model.path)
-             or os.path.isfile(os.path.join(cfg.model.path, "config.json")),
-             f"model.path='{cfg.model.path}' has no config.json: not a Hugging Face model "
-             "directory. Fix: point model.path at the directory with config.json and the weights")
+    _check_paths(cfg)
+
+
+def _need(ok, msg: str) -> None:
+    if not ok:
+        raise BadInput(f"config: {msg}")
+
+
+def _check_sizes(cfg, world_size: int) -> None:
+    """The batch's arithmetic over ranks and engine groups, lengths, and dtypes."""
+    r, g = cfg.rollout, cfg.grpo
+    _need(world_size % r.tp_size == 0,
+          f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
+    engines = world_size // r.tp_size
+    _need(g.prompts_per_step % engines == 0,
+          f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of "
+          f"engine groups (world {world_size} / rollout.tp_size {r.tp_size} = {engines})")
+    _need(g.prompts_per_step // engines * g.group_size % r.tp_size == 0,
+          "the samples of one engine group (prompts_per_step / engines * group_size) must split "
+          f"evenly over its {r.tp_size} tensor-parallel ranks")
+    _need(r.max_new_tokens < r.max_model_len,
+          f"rollout.max_new_tokens={r.max_new_tokens} must be below rollout.max_model_len")
+    _need(cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
+          f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
+          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
+    per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
+    _need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
+          f"and the samples per rank ({per_rank})")
+    _need(not cfg.model.lora.rank or cfg.model.lora.target_modules,
+          "model.lora.target_modules is empty with model.lora.rank > 0. Fix: name the layers "
+          f"that get adapters, e.g. [{', '.join(fsdp_utils.LORA_MODULES)}]")
+    _need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
+          f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs "
+          "grpo.dynamic_sampling=true")
+    _need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
+          f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
+          f"({r.max_new_tokens}); got {g.overlong_buffer}")
+    compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, r.dtype))
+    _need(r.sync_by == "tensor" or compute >= engine,
+          f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which "
+          f"would round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the "
+          "same dtypes")
+
+
+def _check_paths(cfg) -> None:
+    """model.path a model directory or a hub id (data sources are checked when they load,
+    data.py), and log.out_dir a directory that can be written."""
+    path = cfg.model.path
+    _need(path and (os.path.isdir(path) or path.count("/") == 1),
+          f"model.path='{path}' is neither a directory nor a hub id (org/name)")
+    _need(not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")),
+          f"model.path='{path}' has no config.json: not a Hugging Face model directory. Fix: "
+          "point model.path at the directory with config.json and the weights")
     out = os.path.abspath(cfg.log.out_dir)
-    need(not os.path.exists(out) or os.path.isdir(out),
-         f"log.out_dir='{cfg.log.out_dir}' is a file. Fix: give a directory path")
+    _need(not os.path.exists(out) or os.path.isdir(out),
+          f"log.out_dir='{cfg.log.out_dir}' is a file. Fix: give a directory path")
     existing = out
     while not os.path.exists(existing):  # the nearest ancestor that exists must take new files
         existing = os.path.dirname(existing)
-    need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
-         f"log.out_dir='{cfg.log.out_dir}' cannot be written ({existing} is not a writable "
-         "directory). Fix: choose a directory you can write")
+    _need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+          f"log.out_dir='{cfg.log.out_dir}' cannot be written ({existing} is not a writable "
+          "directory). Fix: choose a directory you can write")
 
 
 def check_host_memory(cfg, world_size: int) -> None:
-    """BadInput if this node's ranks cannot park the actor and its Adam state (with
-    model.offload) and the reference (with grpo.kl_coef > 0) in host memory; the bytes come from
-    the model's config.json (offload.host_bytes_per_rank), not its weights."""
+    """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
+    (with model.offload) and the reference (with grpo.kl_coef > 0); the bytes come from the
+    model's config.json (offload.host_bytes_per_rank), not its weights."""
     compute, lora = getattr(torch, cfg.model.param_dtype), cfg.model.lora.rank > 0
     ref_dtype = compute if cfg.grpo.kl_coef > 0 and not lora else None  # LoRA: the actor's base
     on = offload.enabled(cfg.model.offload)

@@ -9,7 +9,6 @@ from inside datasets or the tokenizer surfaces as it is.
 """
 
 import dataclasses
-import glob
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import config
+import plugins
 from domains import FLAG, Anything, OneOf, Range
 
 log = logging.getLogger("grpo")
@@ -114,10 +114,6 @@ _FILE_KINDS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-
-
 def _count_json_rows(path: str, ext: str, field: str) -> int:
     """The rows of a .jsonl or .json file, each line (or the file) checked to be JSON first:
     datasets' reader fails on a bad line without saying which, and on an empty file."""
@@ -192,12 +188,12 @@ def read_rows(path: str, split: str, config_name: str = "", field: str = "data.p
         return datasets.load_dataset(path, name=config_name or None, split=split)
     except ValueError as e:  # datasets' answer about the user's names: an unknown config or split
         raise config.BadInput(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
-                              f"{split!r}): {_first_line(e)}. Fix: set data.config_name and "
+                              f"{split!r}): {plugins.one_line(e)}. Fix: set data.config_name and "
                               f"{split_field} to ones the dataset has") from None
     except (ConnectionError, FileNotFoundError) as e:  # offline, or no such dataset on the hub
         raise config.BadInput(f"{field}={path} is not a local path, and the Hugging Face hub is "
                               f"unreachable (offline?) or has no dataset {path} "
-                              f"({_first_line(e)}). Fix: download it where the hub is reachable "
+                              f"({plugins.one_line(e)}). Fix: download it where the hub is reachable "
                               f"and point {field} at the saved directory or file") from None
 
 
@@ -299,3 +295,21 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
                               f"tokens, {no_gold} without a gold answer). Fix: raise "
                               f"data.max_prompt_len or check the data")
     return examples
+
+
+class Shuffled:
+    """The examples in one fixed random order (`seed`): shuffled[i] is the i-th drawn, the order
+    starting over after the last. Step N draws the same prompts in every run, resumed or not."""
+
+    def __init__(self, examples: list[dict], seed: int):
+        import torch
+
+        self.examples = examples
+        self.order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))
+
+    def __getitem__(self, i: int) -> dict:
+        return self.examples[self.order[i % len(self.examples)]]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+

@@ -5,7 +5,7 @@ With an environment named in `env.name` (envs.py says what one is), each sample 
 an episode. Turn 1 samples `group_size` responses per prompt, as a single-turn rollout does.
 Then, turn after turn, the environment answers every unfinished episode at once (in worker
 processes, each call with a time limit: plugins.Worker; on the first rank of each engine group
-only, which hands the replies to the group's other ranks: EngineGroup), each reply is
+only, which hands the replies to the group's other ranks: rollout.EngineGroup), each reply is
 appended as tokens (through the tokenizer's chat template with data.chat_template, in the role
 the template gives it, its content as text; else as plain text), and the engine generates the
 next turn of every unfinished episode in one call, each with its whole token history as the
@@ -25,7 +25,6 @@ rendering of its whole conversation (Replies.check), and a difference is logged 
 """
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -33,6 +32,7 @@ from typing import Annotated
 import envs
 import plugins
 import records
+import rollout
 import sandbox
 from domains import FLAG, Anything, OneOf, Range
 
@@ -48,8 +48,10 @@ class EnvConfig:
     #   rollout.max_new_tokens
     max_tokens: Annotated[int, Range(1)] = 256
     timeout_s: Annotated[float, Range(0)] = 10.0  # one environment call's limit; 0: in-process
-    # worker processes that call a plain function at once (a call each); ignored with timeout_s 0
-    workers: Annotated[int, Range(1)] = 1
+    # worker processes that call a plain function at once (a call each); ignored with timeout_s 0.
+    #   0: 16 per CPU of this rank, 2 to 32 (plugins.default_workers; the start-up log says how
+    #   many); 1: one call at a time, in order (to debug)
+    workers: Annotated[int, Range(0)] = 0
     # calls of an `async def` environment in flight at once, in one worker's event loop
     concurrency: Annotated[int, Range(1)] = 64
     # a sample whose environment failed or was cut, or one of whose reward calls raised or timed
@@ -75,46 +77,6 @@ def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
     if max_prompt_len + cfg.max_tokens > max_model_len:
         raise ValueError(f"data.max_prompt_len + env.max_tokens must be <= rollout.max_model_len "
                          f"({max_prompt_len} + {cfg.max_tokens} > {max_model_len})")
-
-
-class EngineGroup:
-    """The ranks of this rank's engine (rollout.tp_size consecutive ranks). `one_answer(fn)` calls
-    fn on the group's first rank only and hands its result to every rank of the group, so that
-    the environments and the rewards answer once per engine: its ranks must pass vLLM identical
-    prompts, which a call cut at its limit on one rank, or one that answers differently each time
-    (a clock, a random draw, a service), would break. One engine per rank: fn runs here."""
-
-    def __init__(self, tp_size: int):
-        import torch.distributed as dist
-
-        self.group, self.src, self.first = None, 0, True
-        if tp_size > 1 and dist.is_initialized():
-            rank = dist.get_rank()
-            for start in range(0, dist.get_world_size(), tp_size):  # every rank makes each group
-                ranks = list(range(start, start + tp_size))
-                group = dist.new_group(ranks, backend="gloo")  # pickled objects, on the host
-                if rank in ranks:
-                    self.group, self.src, self.first = group, start, rank == start
-
-    def one_answer(self, fn):
-        if self.group is None:
-            return fn()
-        import torch.distributed as dist
-
-        box = [None]
-        if self.first:
-            try:
-                box = [("ok", fn())]
-            except BaseException as e:  # the other ranks raise too, instead of waiting forever
-                dist.broadcast_object_list([("raised", f"{type(e).__name__}: {e}")],
-                                           src=self.src, group=self.group)
-                raise
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        kind, value = box[0]
-        if kind == "raised":
-            raise RuntimeError(f"the first rank of this engine group (rank {self.src}) raised "
-                               f"{value}")
-        return value
 
 
 class Replies:
@@ -236,18 +198,17 @@ class Episode:
         return {k: v for k, v in vars(self).items() if k != "tokenizer"}
 
 
-class Episodes:
-    """Runs the samples of a rollout: one turn each without an environment (env.name ""), else
-    episodes (the module's docstring says how). close() stops the environment's worker. The
-    steps of an episode (start, add a turn's tokens, respond, finish) are methods here, which
-    `run` and partial rollout's rounds (partial.py) both take."""
+class EpisodeRunner:
+    """Runs the samples of a rollout as episodes: one turn each without an environment (env.name
+    ""), else until the environment or a limit ends them (the module's docstring says how).
+    close() stops the environment's worker. The steps of an episode (start, add a turn's tokens,
+    respond, finish) are methods here, which `run` and partial rollout's rounds (partial.py)
+    both take. group: the rollout.EngineGroup, whose first rank alone calls the environment."""
 
     def __init__(self, cfg: EnvConfig, tokenizer, chat_template: bool, prompt_key: str,
                  max_new_tokens: int, group=None):
         self.cfg, self.tokenizer, self.prompt_key = cfg, tokenizer, prompt_key
-        self.max_new_tokens = max_new_tokens
-        # EngineGroup: the environment answers on the first rank of each engine only
-        self.one_answer = group.one_answer if group is not None else lambda fn: fn()
+        self.max_new_tokens, self.group = max_new_tokens, group
         self.checked = not chat_template  # the episodes against the template, once a run
         self.worker = self.replies = None
         if cfg.name:
@@ -257,30 +218,31 @@ class Episodes:
                                          cfg.concurrency)
 
     def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
-            seed: int | None = None) -> records.Rollout:
-        """`n` episodes per example of `batch`, prompt-major: a rollout with samples, examples
-        (each with its "conversation"), texts (the last model turn), turns, and the
-        environment's counts. Its scores and advantages are the reward phase's."""
+            seed: int | None = None) -> records.Generated:
+        """`n` episodes per example of `batch`, prompt-major, played to their end."""
         first = engine.generate([ex["prompt_ids"] for ex in batch], n=n, greedy=greedy, seed=seed)
         examples = [ex for ex in batch for _ in range(n)]
         if self.worker is None:  # one turn: the samples as the engine made them
             texts = self.tokenizer.batch_decode([s.response_ids for s in first],
                                                 skip_special_tokens=True)
-            return records.Rollout(samples=first, examples=examples, texts=texts, rounds=1,
-                                   turns=[1] * len(first), failed=[False] * len(first),
-                                   limited=[s.truncated for s in first])
+            return records.Generated(first, examples, texts, turns=[1] * len(first),
+                                     failed=[False] * len(first),
+                                     limited=[s.truncated for s in first])
         episodes = [self.start(ex) for ex in examples]
         for e, s in zip(episodes, first):
             e.add_turn(s)
-        ro, turn = records.Rollout(rounds=1), 1
-        while going := self.respond(episodes, ro):
+        going, calls = self.respond(episodes)
+        turn = 1
+        while going:
             turn += 1
-            turn_seed = None if seed is None else random.Random(f"{seed}/{turn}").getrandbits(48)
+            turn_seed = None if seed is None else rollout.seed_from(seed, turn)
             outs = engine.generate([e.prompt_ids + e.ids for e in going], n=1, greedy=greedy,
                                    seed=turn_seed, max_tokens=[e.limit for e in going])
             for e, s in zip(going, outs):
                 e.add_turn(s)
-        return self.finish(episodes, ro)
+            going, more = self.respond(going)
+            calls += more
+        return self.finish(episodes, calls)
 
     def start(self, example: dict) -> Episode:
         """A new episode of `example`, its first turn still to be written."""
@@ -309,25 +271,25 @@ class Episodes:
         e.over = self.worker is None
         return True
 
-    def respond(self, episodes: list[Episode], ro: records.Rollout) -> list[Episode]:
+    def respond(self, episodes: list[Episode]) -> tuple[list[Episode], records.EnvCalls]:
         """The environment answers the last turn of every episode of `episodes` that is not
         over (one job for its worker, on the first rank of the engine group); an episode it
         answers with a reply that fits gets the reply's tokens and room for its next turn
-        (e.limit, e.pending emptied). Counts go into `ro`. Returns those that go on."""
+        (e.limit, e.pending emptied). Returns those that go on, and the calls' counts."""
         live = [e for e in episodes if not e.over]
         if not live:
-            return []
+            return [], records.EnvCalls()
         t = time.perf_counter()
         calls = [(0, (e.messages, e.example)) for e in live]
-        replies = self.one_answer(lambda: self.worker.run(calls))
-        ro.env_seconds += time.perf_counter() - t
-        going = []
+        run = lambda: self.worker.run(calls)  # noqa: E731
+        replies = self.group.one_answer(run) if self.group is not None else run()
+        counts, going = records.EnvCalls(seconds=time.perf_counter() - t), []
         for e, reply in zip(live, replies):
             e.over = True
             if reply is plugins.Failed or reply is TimeoutError:  # its episode scores 0
                 e.failed = True
-                ro.env_errors += reply is plugins.Failed
-                ro.env_timeouts += reply is TimeoutError
+                counts.errors += reply is plugins.Failed
+                counts.timeouts += reply is TimeoutError
             elif reply is not None and e.turns == self.cfg.max_turns:
                 e.limited = True  # the environment would go on: the turn limit ended it
             elif reply is not None:
@@ -340,18 +302,18 @@ class Episodes:
                     e.add_reply(reply, ids)
                     e.over, e.limit, e.pending = False, min(self.max_new_tokens, room), ([], [], [])
                     going.append(e)
-        return going
+        return going, counts
 
-    def finish(self, episodes: list[Episode], ro: records.Rollout,
-               versions: bool = False) -> records.Rollout:
-        """`ro` (its environment counts) with the episodes, all over, as its samples: examples
-        (each with its "conversation" when an environment ran), texts (the last model turn),
-        turns, failures, limits; with `versions`, each sample's token versions (partial)."""
-        ro.samples = [e.sample(versions) for e in episodes]
+    def finish(self, episodes: list[Episode], env: records.EnvCalls,
+               versions: bool = False) -> records.Generated:
+        """The episodes, all over, as samples: their examples (each with its "conversation" when
+        an environment ran), texts (the last model turn), turns, failures and limits; `env`: the
+        environment calls that made them; with `versions`, each sample's token versions
+        (partial rollout)."""
         if self.worker is None:  # one turn, as run() gives it: the row as it is
-            ro.examples = [e.example for e in episodes]
+            examples = [e.example for e in episodes]
         else:
-            ro.examples = [{**e.example, "conversation": e.messages} for e in episodes]
+            examples = [{**e.example, "conversation": e.messages} for e in episodes]
             if not self.checked and (e := next((e for e in episodes if 0 in e.mask), None)):
                 self.checked = True  # one episode with a reply, at the first turn that has one
                 if (where := self.replies.check(e.prompt_ids + e.ids, e.messages)) is not None:
@@ -359,11 +321,12 @@ class Episodes:
                                 "for its whole conversation, at %s. The model is trained on the "
                                 "episode's tokens (each turn rendered after the last); shown "
                                 "once", where)
-        ro.texts = [e.messages[-1]["content"] for e in episodes]  # always a model turn
-        ro.turns = [e.turns for e in episodes]
-        ro.failed = [e.failed for e in episodes]
-        ro.limited = [e.limited or (self.worker is None and e.last.truncated) for e in episodes]
-        return ro
+        return records.Generated(
+            [e.sample(versions) for e in episodes], examples,
+            texts=[e.messages[-1]["content"] for e in episodes],  # always a model turn
+            turns=[e.turns for e in episodes], failed=[e.failed for e in episodes],
+            limited=[e.limited or (self.worker is None and e.last.truncated) for e in episodes],
+            env=env)
 
     def close(self) -> None:
         if self.worker is not None:

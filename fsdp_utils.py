@@ -1,5 +1,5 @@
 """The actor: build and shard it with FSDP2, its attention for packed rows, the model families
-it knows, and its optimizer and schedule. Parking it in host memory is offload.py's; checkpoints
+it knows, and its optimizer and schedule. Moving it to host memory is offload.py's; checkpoints
 and the export are checkpoint.py's.
 
 FSDP2 idioms (after torchtitan): build on the meta device, `fully_shard` every decoder layer and
@@ -197,8 +197,8 @@ def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
-    (nothing to update, so no fp32 master copy), no gradients, and parked off the accelerator
-    (offload.park) between its forward passes. With model.lora: adapters on a frozen base held
+    (nothing to update, so no fp32 master copy), no gradients, and moved to host memory
+    (offload.to_host) between its forward passes. With model.lora: adapters on a frozen base held
     in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -242,7 +242,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     if reference:
         model.requires_grad_(False)
         model.eval()
-        offload.park(model)
+        offload.to_host(model)
     return model
 
 
@@ -273,13 +273,13 @@ def adapters(model: torch.nn.Module) -> list:
 @contextlib.contextmanager
 def reference(ref: torch.nn.Module):
     """`ref` as the frozen reference for a forward pass: a separate reference brought out of
-    host memory (offload.unparked), or, for an actor with adapters (model.lora), the actor
+    host memory (offload.on_device), or, for an actor with adapters (model.lora), the actor
     itself with its adapters off: the base model, the reference for free. peft's own switch
     (enable_adapters) would also flip the adapters' requires_grad, which FSDP2 reads to reduce
     gradients: only the flag peft's forward reads is set here."""
     layers = [m for _, m in adapters(ref)]
     if not layers:
-        with offload.unparked(ref):
+        with offload.on_device(ref):
             yield ref
         return
     for m in layers:

@@ -2,8 +2,10 @@
 
 Nothing here knows about engines or files: a rollout arrives as samples (prompt_ids,
 response_ids, the engine's logp of each response token) and rewards, and leaves as gradient steps
-on the FSDP2 actor. To try a new loss, edit `grpo_loss` (and, for a new option, `GRPOConfig` and
-its domain in the field's type (domains.py)).
+on the FSDP2 actor. To try a new loss, edit `grpo_loss`: it is the per-token objective that
+training minimises (the fused pass in logprobs.py calls it on every chunk of output rows, and
+differentiates it there). For a new option, add a field to `GRPOConfig` with its domain in the
+field's type (domains.py). The advantages are `group_advantages`, called by `score`.
 
 With the defaults this GRPO is, precisely:
 - advantage = (r - mean_group) / (std_group + eps), std unbiased (DeepSeekMath's GRPO); groups
@@ -86,6 +88,10 @@ class GRPOConfig:
 # the math: small pure functions on tensors. Each variant names the paper it comes from.
 
 
+# ----------------------------------------------------------------------------------------------
+# the math: small pure functions on tensors. Each variant names the paper it comes from.
+
+
 def constant_groups(rewards: torch.Tensor, group_size: int, valid=None) -> torch.Tensor:
     """(B*G,) rewards -> (B,) bool: groups whose rewards are all exactly equal. An exact test:
     0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage.
@@ -126,13 +132,6 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
     return -factor * ((lengths - (max_len - buffer)) / buffer).clamp(0.0, 1.0)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """(N, T, V) logits, (N, T) targets -> (N, T) log p(target), in fp32: what logprobs.py
-    computes without ever holding (N, T, V) logits (tests compare the two)."""
-    logits = logits.float() / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
 def kl_penalty(logp, ref_logp, estimator: str):
     """Per-token estimate of KL(policy || reference) from tokens sampled by the policy, after
     Schulman's "Approximating KL Divergence": k1 = log(p/q) is unbiased but noisy and can be
@@ -163,55 +162,57 @@ def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float):
     return inside.to(log_ratio.dtype).unsqueeze(1).expand_as(log_ratio)
 
 
-def token_terms(logp, old_logp, adv, g: GRPOConfig, is_weight=None, ref_logp=None):
-    """Each token's term of the loss, before aggregation (elementwise; adv broadcasts):
-    PPO's clipped surrogate, times the importance weight, plus the KL term. Returns the terms and
-    where the clip was active."""
-    ratio = torch.exp(logp - old_logp)
-    clipped_ratio = ratio.clamp(1 - g.clip_low, 1 + g.clip_high)  # DAPO "clip-higher" if high > low
-    unclipped_term, clipped_term = ratio * adv, clipped_ratio * adv
-    per_token = -torch.minimum(unclipped_term, clipped_term)  # PPO's clipped surrogate
-    clipped = unclipped_term > clipped_term  # the min took the clipped term: no gradient here
-    if is_weight is not None:
-        per_token = per_token * is_weight
-    if ref_logp is not None and g.kl_coef > 0:  # KL in the loss, not the reward (DeepSeekMath)
-        per_token = per_token + g.kl_coef * kl_penalty(logp, ref_logp, g.kl_estimator)
-    return per_token, clipped
-
-
-def loss_weights(mask, g: GRPOConfig, n_tokens: float, n_seqs: float, max_len: int):
+def loss_weights(mask, cfg: GRPOConfig, n_tokens: float, n_seqs: float, max_len: int):
     """(N, T) mask of response tokens -> (N, T) each token's weight in the batch loss (0 off the
     mask): the aggregation over a global mini-batch of n_tokens tokens in n_seqs sequences."""
-    if g.loss_agg == "token_mean":  # every token of the batch weighs the same (DAPO)
+    if cfg.loss_agg == "token_mean":  # every token of the batch weighs the same (DAPO)
         return mask / n_tokens
-    if g.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
+    if cfg.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * n_seqs)
     # constant: sum over tokens / (sequences x max_new_tokens): no length bias (Dr. GRPO)
     return mask / (n_seqs * max_len)
 
 
-def grpo_loss(logp, old_logp, adv, mask, g: GRPOConfig, n_tokens: float, n_seqs: float,
-              max_len: int, is_weight=None, ref_logp=None):
-    """The loss of one micro-batch, normalised over the whole global mini-batch (n_tokens response
-    tokens in n_seqs sequences), so micro-batches and ranks add up to the batch's loss: the sum
-    of each token's term times its weight. logp, old_logp, mask, is_weight, ref_logp: (N, T);
-    adv: (N,). Returns the loss and (N, T) bool of the tokens where the clip was active."""
-    per_token, clipped = token_terms(logp, old_logp, adv.unsqueeze(1), g, is_weight, ref_logp)
-    loss = (per_token * loss_weights(mask, g, n_tokens, n_seqs, max_len)).sum()
-    return loss, clipped & mask.bool()
+@dataclass
+class Tokens:
+    """What the loss takes of each of a micro-batch's K response tokens, (K,) tensors in
+    logprobs.MicroBatch's order (`token_inputs` makes them); `tokens[k]` is the slice k."""
+    adv: torch.Tensor  # its sample's advantage
+    coef: torch.Tensor  # its weight in the batch's loss (loss_weights: the aggregation)
+    written: torch.Tensor  # 1 where the model wrote it, 0 where an environment did
+    engine: torch.Tensor  # the engine's logprob of it: the policy that sampled it
+    old: torch.Tensor | None = None  # the old policy's logprob; None: on-policy (this forward's)
+    is_weight: torch.Tensor | None = None  # the mismatch weight; None: grpo_loss makes it
+    ref: torch.Tensor | None = None  # the reference's logprob, for the KL term; None: no KL
+
+    def __getitem__(self, k: slice) -> "Tokens":
+        return Tokens(**{name: None if v is None else v[k] for name, v in vars(self).items()})
 
 
-@torch.no_grad()
-def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 256) -> float:
-    """Sum of the entropy of softmax(logits) over masked positions of (N, T, V) logits, chunk rows
-    at a time: the plain statement of the entropy metric that logprobs.py computes in its pass
-    over the logits (tests compare the two)."""
-    rows = logits[mask.bool()]  # (n_tokens, V), in the logits' dtype
-    total = 0.0
-    for part in rows.split(chunk):
-        logp = part.float().log_softmax(-1)
-        total -= (logp.exp() * logp).sum().item()
-    return total
+def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
+    """The per-token objective that training minimises: edit this to try a new loss.
+
+    logp (c,): this forward's logprob of c response tokens under softmax(logits / temperature),
+    which the gradient flows through; t: the same tokens' inputs (Tokens, (c,) each). Returns the
+    loss of these tokens, a sum of per-token terms each weighed by t.coef (so that chunks,
+    micro-batches and ranks add up to the mean over the global mini-batch), and the count of
+    tokens the model wrote where the clip was active. Each term: PPO's clipped surrogate of the
+    ratio to the old policy (clip-higher, DAPO, when clip_high > clip_low) times the engine/
+    trainer mismatch weight, plus the KL term to the reference (in the loss, not the reward:
+    DeepSeekMath). On-policy the old logprob is logp itself, detached: ratio 1, and the gradient
+    is REINFORCE's. logprobs.run differentiates this function with respect to logp alone, inside
+    its pass over the vocabulary: it must be a sum of per-token terms (no term may mix tokens)."""
+    old = logp.detach() if t.old is None else t.old
+    w = t.is_weight if t.is_weight is not None else mismatch_weights(
+        old[None], t.engine[None], t.written[None], cfg.is_correction, cfg.is_cap)[0]
+    ratio = torch.exp(logp - old)
+    unclipped = ratio * t.adv
+    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * t.adv
+    per_token = -torch.minimum(unclipped, clipped) * w
+    if t.ref is not None and cfg.kl_coef > 0:
+        per_token = per_token + cfg.kl_coef * kl_penalty(logp, t.ref, cfg.kl_estimator)
+    # the min took the clipped term: no gradient there
+    return (per_token * t.coef).sum(), ((unclipped > clipped) * t.written).sum()
 
 
 def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
@@ -233,11 +234,33 @@ def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
                                                   seq.numel())}
 
 
-def kept_per_engine(kept: int, tp: int) -> list[int]:
-    """All-gather this engine group's count of kept groups: one entry per engine group."""
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([kept]))
-    return [int(c) for c in counts[::tp]]
+# ----------------------------------------------------------------------------------------------
+# scoring a rollout: pure functions of its rewards, returning new values
+
+
+def shaped_rewards(rewards: list, lengths: list, limit: int, cfg: GRPOConfig) -> torch.Tensor:
+    """(B*G,) fp64 rewards as the advantages see them: with grpo.overlong=penalty, DAPO's
+    overlong penalty added for responses (an episode: all after its prompt) near `limit`."""
+    shaped = torch.tensor(rewards, dtype=torch.float64)
+    if cfg.overlong == "penalty":
+        shaped += overlong_penalty(torch.tensor(lengths, dtype=torch.float64), limit,
+                                   cfg.overlong_buffer, cfg.overlong_penalty_factor)
+    return shaped
+
+
+def dropped_samples(env_failed: list, reward_failed: list, drop: bool) -> list[bool]:
+    """Per sample: out of the loss and its group's statistics, its environment or a reward call
+    having failed, when `drop` (env.on_failure=drop)."""
+    return [drop and (e or r) for e, r in zip(env_failed, reward_failed)]
+
+
+def keep_groups(rewards: list, lengths: list, dropped: list, limit: int,
+                cfg: GRPOConfig) -> list[bool]:
+    """Per group: whether it may go into the update. With dynamic sampling (DAPO) a group whose
+    shaped rewards are all equal over its valid samples is left out: it has no signal."""
+    constant = constant_groups(shaped_rewards(rewards, lengths, limit, cfg), cfg.group_size,
+                               ~torch.tensor(dropped, dtype=torch.bool))
+    return [not (c and cfg.dynamic_sampling) for c in constant.tolist()]
 
 
 def take_groups(keep: list, kept: list, engine_idx: int, target: int) -> list[int]:
@@ -255,55 +278,85 @@ def trained_samples(groups: list, group_size: int, dropped: list, truncated: lis
             if not dropped[i] and not (mask_overlong and truncated[i])]
 
 
+@dataclass
+class Scored:
+    """A rollout scored (`score`): advantages, and the samples the update takes."""
+    adv: list[float]  # per sample: its advantage within its group, after shaping
+    constant: list[bool]  # per group: all (valid) rewards equal, no signal
+    dropped: list[bool]  # per sample: out of the loss (a failed environment or reward call)
+    groups: list[int]  # this engine group's groups that train
+    trained: list[int]  # their samples that train (this engine group's; each rank a share)
+
+    def metrics(self, first: bool) -> dict:
+        """The counts of the step's metrics, each once per engine group (its first rank)."""
+        one = int(first)
+        return {"groups_constant": tracking.Sum(one * sum(self.constant)),
+                "groups_trained": tracking.Sum(one * len(self.groups)),
+                "samples_trained": tracking.Sum(one * len(self.trained)),
+                "samples_dropped": tracking.Sum(one * sum(self.dropped))}
+
+
+def score(rollout, cfg: GRPOConfig, engine_idx: int, limit: int, drop: bool) -> Scored:
+    """The rollout's rewards, shaped (overlong penalty, against `limit` tokens) into advantages
+    within each group of G; a sample whose environment or reward call failed is, with `drop`,
+    left out of its group's advantages and of the loss. Then the groups this engine group trains
+    (the kept ones, up to grpo.prompts_per_step over all engine groups) and their samples (with
+    grpo.overlong=mask, not those cut at the limit). Every rank of an engine group gets the
+    same."""
+    G = cfg.group_size
+    dropped = dropped_samples(rollout.env_failed, rollout.reward_failed, drop)
+    valid = ~torch.tensor(dropped, dtype=torch.bool)
+    shaped = shaped_rewards(rollout.rewards, [len(s.response_ids) for s in rollout.samples],
+                            limit, cfg)  # (B*G,)
+    groups = take_groups(rollout.keep, rollout.kept, engine_idx, cfg.prompts_per_step)
+    return Scored(
+        adv=group_advantages(shaped, G, cfg.adv_eps, cfg.scale_adv_by_std, valid).tolist(),
+        constant=constant_groups(shaped, G, valid).tolist(), dropped=dropped, groups=groups,
+        trained=trained_samples(groups, G, dropped, [s.truncated for s in rollout.samples],
+                                cfg.overlong == "mask"))
+
+
 # ----------------------------------------------------------------------------------------------
 # the update: forward/backward over the rollout (logprobs.py runs the model). Every function here
 # runs FSDP collectives, so every rank calls it, with its own share of the samples (possibly none).
 
 
-def token_inputs(batch: list, mb, adv, old_logp, ref_logp, g: GRPOConfig, n_tokens: float,
-                 n_seqs: float, max_len: int) -> dict:
-    """What the loss needs of each of a micro-batch's K response tokens, (K,) host tensors in
-    mb's order: the engine's logp, the advantage, the aggregation weight ("coef"), and when
-    given, the old and reference logp (per-sample lists) and the importance weights from them."""
-    cat = lambda lists: torch.cat([torch.as_tensor(x, dtype=torch.float32)  # noqa: E731
-                                   for x in lists])
-    t = {"engine": cat([s.logp for s in batch]),
-         "adv": torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)),
-         "coef": mb.flat(loss_weights(mb.mask, g, n_tokens, n_seqs, max_len)),
-         "written": mb.flat(mb.mask)}  # 1 on the model's tokens, 0 on an environment's
+def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_tokens: float,
+                 n_seqs: float, max_len: int) -> Tokens:
+    """The loss's inputs for each of a micro-batch's K response tokens, on the host, in mb's
+    order: from the samples, their advantages and, when given, the old and reference logprobs
+    (per-sample lists); with the old logprobs, the mismatch weights from them."""
+    def cat(lists):
+        return torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in lists])
+
+    t = Tokens(adv=torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)),
+               coef=mb.flat(loss_weights(mb.mask, cfg, n_tokens, n_seqs, max_len)),
+               written=mb.flat(mb.mask), engine=cat([s.logp for s in batch]))
     if old_logp is not None:
-        t["old"] = cat(old_logp)
-        t["is_weight"] = mb.flat(mismatch_weights(mb.padded(t["old"]), mb.padded(t["engine"]),
-                                                  mb.mask, g.is_correction, g.is_cap))
+        t.old = cat(old_logp)
+        t.is_weight = mb.flat(mismatch_weights(mb.padded(t.old), mb.padded(t.engine), mb.mask,
+                                               cfg.is_correction, cfg.is_cap))
     if ref_logp is not None:
-        t["ref"] = cat(ref_logp)
+        t.ref = cat(ref_logp)
     return t
 
 
-def token_loss(t: dict, mb, g: GRPOConfig):
-    """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k) for the tokens k (a
-    slice of K) given their (c,) logp: grpo_loss's terms times their weights, summed; and
-    first(logp), when the importance weights need whole sequences of this forward's logp
-    (on-policy seq_mask). On-policy, old_logp is the logp itself, detached (ratio 1)."""
+def loss_of(t: Tokens, mb, cfg: GRPOConfig):
+    """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
+    k (a slice of K); and first(logp), when the mismatch weights need whole sequences of this
+    forward's logp before any gradient (on-policy seq_mask), else None."""
     def loss_fn(logp, k):
-        old = t["old"][k] if "old" in t else logp.detach()
-        w = t["is_weight"][k] if "is_weight" in t else mismatch_weights(
-            old[None], t["engine"][k][None], t["written"][k][None], g.is_correction,
-            g.is_cap)[0]
-        per_token, clipped = token_terms(logp, old, t["adv"][k], g, w,
-                                         t["ref"][k] if "ref" in t else None)
-        return (per_token * t["coef"][k]).sum(), (clipped * t["written"][k]).sum()
+        return grpo_loss(logp, t[k], cfg)
 
     def first(logp):  # (K,)
-        t["is_weight"] = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t["engine"]),
-                                                  mb.mask, g.is_correction, g.is_cap))
+        t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine), mb.mask,
+                                               cfg.is_correction, cfg.is_cap))
 
-    needs_first = "old" not in t and g.is_correction == "seq_mask"
-    return loss_fn, first if needs_first else None
+    return loss_fn, first if t.old is None and cfg.is_correction == "seq_mask" else None
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
-                         g: GRPOConfig, pad_id: int, device, temperature: float,
+                         cfg: GRPOConfig, pad_id: int, device, temperature: float,
                          max_len: int) -> tuple[list, dict]:
     """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
     actor. old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
@@ -317,16 +370,16 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
     if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return [torch.zeros(0)] * len(samples), stats
     actor.train()
-    plan, found = logprobs.micro_batch_plan(samples, g.micro_batch_tokens, g.pack), []
+    plan, found = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack), []
     for k, idx in enumerate(plan):
         batch = [samples[i] for i in idx] or [logprobs.DUMMY]
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None
                     for lp in (old_logp, ref_logp))
-        mb = logprobs.micro_batch(batch, pad_id, g.pack, actor.config)
-        t = token_inputs(batch, mb, adv[idx] if idx else torch.zeros(1), old, ref, g, n_tokens,
+        mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config)
+        t = token_inputs(batch, mb, adv[idx] if idx else torch.zeros(1), old, ref, cfg, n_tokens,
                          n_seqs, max_len)
         mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
-        out = logprobs.run(actor, mb, temperature, g.logprob_chunk, *token_loss(t, mb, g))
+        out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
         logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
         # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
         (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
@@ -351,9 +404,9 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
     return [order[j::k] for j in range(k)]
 
 
-def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOConfig, *,
-                     pad_id: int, device, seed: int, temperature: float, max_len: int,
-                     grad_clip: float) -> dict:
+def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *,
+           pad_id: int, device, seed: int, temperature: float, max_len: int,
+           grad_clip: float) -> dict:
     """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
     the engine's sampling temperature and max_new_tokens. Returns the update's metrics
@@ -362,25 +415,26 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     before the first optimizer step."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     t = time.perf_counter()
-    on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
+    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
     old_logp = (None if on_policy
-                else logprobs.sample_logprobs(actor, samples, g, pad_id, device, temperature))
+                else logprobs.sample_logprobs(actor, samples, cfg, pad_id, device, temperature))
     ref_logp = None
     if ref is not None:  # the frozen reference: out of host memory, or the actor's base (LoRA)
         with fsdp_utils.reference(ref):
-            ref_logp = logprobs.sample_logprobs(ref, samples, g, pad_id, device, temperature)
+            ref_logp = logprobs.sample_logprobs(ref, samples, cfg, pad_id, device, temperature)
     logprobs_time = time.perf_counter() - t
     loss_tokens, norms = 0, []
     clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
     shuffle = torch.Generator().manual_seed(seed)
-    for epoch in range(g.ppo_epochs):
-        for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
+    for epoch in range(cfg.ppo_epochs):
+        for part in split_mini_batches(len(samples), cfg.mini_batches, shuffle):
             old, ref_lp = ([lp[i] for i in part] if lp is not None else None
                            for lp in (old_logp, ref_logp))
             logp, stats = accumulate_gradients(actor, [samples[i] for i in part], adv[part],
-                                               old, ref_lp, g, pad_id, device, temperature, max_len)
+                                               old, ref_lp, cfg, pad_id, device, temperature,
+                                               max_len)
             if old_logp is None:  # on-policy: the single forward saw the sampling policy
                 old_logp = [None] * len(samples)
                 for k, i in enumerate(part):
@@ -397,9 +451,9 @@ def train_on_rollout(actor, ref, opt, samples: list, adv: torch.Tensor, g: GRPOC
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),
-           **mismatch_stats(old_logp, written(samples, [s.logp for s in samples]), g.is_cap)}
+           **mismatch_stats(old_logp, written(samples, [s.logp for s in samples]), cfg.is_cap)}
     if ref_logp is not None:
-        out["kl"] = tracking.Mean(sum(kl_penalty(o, r, g.kl_estimator).sum().item()
+        out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()
                                       for o, r in zip(old_logp, written(samples, ref_logp))),
                                   tokens)
     return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}

@@ -1,10 +1,10 @@
 """The model's hot functions in plain torch, and the patching of a Qwen model.
 
 Each is the reference for a fused kernel of npu_ops (same signature, same numbers up to rounding):
-RMSNorm, rotary embedding and SwiGLU MLP as transformers computes them, and the contract of the
-Ascend fused attention kernel that npu_ops.fusion_attention calls. `patch_qwen` routes a dense
-Qwen2/Qwen3 model through either path (model.fused_kernels): the fused one on an accelerator,
-the reference one to bisect numerics anywhere.
+RMSNorm, rotary embedding and SwiGLU MLP as transformers computes them. `patch_qwen` routes a
+dense Qwen2/Qwen3 model through either path (model.fused_kernels): the fused one on an
+accelerator, the reference one to bisect numerics anywhere. (The Ascend fused attention kernel's
+contract in plain torch, which only tests run, is in tests/reference.py.)
 """
 
 import sys
@@ -36,50 +36,6 @@ def rotary_reference(q, k, cos, sin, unsqueeze_dim=1):
 
 def swiglu_mlp_reference(module, x):
     return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
-
-
-def fusion_attention_reference(query, key, value, head_num, input_layout, atten_mask=None,
-                               scale=1.0, keep_prob=1.0, sparse_mode=0, actual_seq_qlen=None,
-                               actual_seq_kvlen=None, **unused):
-    """The Ascend fused attention kernel's contract (npu_ops.fusion_attention names its document)
-    for the two layouts npu_ops uses, in fp32:
-    - "TND": query (T, N, D), key/value (T, Nkv, D) holding samples end to end; actual_seq_qlen
-      and actual_seq_kvlen are the samples' cumulative ends (host ints), attention stays in a
-      sample;
-    - "BNSD": (B, N, S, D).
-    atten_mask is True where a score is masked out. sparse_mode 2 and 3 take the compressed
-    2048 x 2048 causal mask and mean causal within each sample (for a sample's equal query and
-    key lengths the two agree); 0 takes the mask as given ((B, 1, S, S) or (S, S)). Nkv must
-    divide N (grouped-query attention). No dropout. Returns (output,), as the kernel returns its
-    output first; the output has the query's dtype."""
-    if keep_prob != 1.0:
-        raise NotImplementedError("fusion_attention_reference: no dropout")
-    axis = -2 if input_layout == "TND" else 1  # the heads
-    assert query.shape[axis] == head_num and head_num % key.shape[axis] == 0, key.shape
-
-    def attend(q, k, v, mask):  # q (..., N, S, D); k, v (..., Nkv, S, D); mask True = out
-        groups = q.shape[-3] // k.shape[-3]
-        k, v = (x.repeat_interleave(groups, dim=-3).float() for x in (k, v))
-        scores = (q.float() @ k.transpose(-1, -2)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        return (scores.softmax(-1) @ v).to(q.dtype)
-
-    def causal(n, device):
-        return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-
-    if input_layout == "TND":
-        assert list(actual_seq_qlen) == list(actual_seq_kvlen), "self-attention only"
-        outs, start = [], 0
-        for end in actual_seq_qlen:  # host ints: no read of the device
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
-            mask = causal(end - start, q.device) if sparse_mode in (2, 3) else None
-            outs.append(attend(q, k, v, mask).transpose(0, 1))
-            start = end
-        return (torch.cat(outs),)
-    assert input_layout == "BNSD", input_layout
-    mask = causal(query.shape[2], query.device) if sparse_mode in (2, 3) else atten_mask
-    return (attend(query, key, value, mask),)
 
 
 def kernel_path(mode: str):

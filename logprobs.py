@@ -13,7 +13,7 @@ The output layer runs only on the K rows that predict a response token, `chunk` 
 Each chunk's logits exist once, in fp32 for the length of one pass, which yields the sampled
 tokens' logprob, the entropy of the sampling distribution softmax(logits / T) and, because the
 loss is a sum of per-token terms, the gradient of the loss with respect to each token's logprob
-(g = dL/dlogp, from the loss's own code, by autograd on that (c,) vector), and with it the
+(dlogp = dL/dlogp, from the loss's own code, by autograd on that (c,) vector), and with it the
 gradients of the logits, of the hidden states and of the weight. Backward recomputes nothing: it
 scales the stored gradients by its incoming gradient. The result leaves through the model's
 forward, where FSDP2's hooks see it (the output weight is gathered for the forward and its
@@ -34,6 +34,7 @@ would go behind a plain function in npu_ops; none is written: plain torch runs e
 nothing here has been measured on an accelerator yet.
 """
 
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -84,28 +85,6 @@ def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))
-
-
-def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
-    """Right-pad prompt+response sequences. Returns input_ids (N, T), attention (N, T), targets
-    (N, T-1), loss mask (N, T-1) over response tokens, and a dict of (N, T-1) tensors placed at
-    the response positions: "engine" (the engine's logp) and every entry of `per_token`, a list
-    with one sequence of per-response-token values for each sample."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    T = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1)
-    values = {"engine": [s.logp for s in samples], **(per_token or {})}
-    padded = {k: torch.zeros(len(seqs), T - 1) for k in values}
-    for i, (s, x) in enumerate(zip(samples, seqs)):
-        ids[i, :len(x)] = torch.tensor(x)
-        attn[i, :len(x)] = 1
-        p, n = len(s.prompt_ids), len(s.response_ids)
-        mask[i, p - 1:p - 1 + n] = 1  # position t predicts token t+1
-        for k, v in values.items():
-            padded[k][i, p - 1:p - 1 + n] = torch.as_tensor(v[i], dtype=torch.float32)
-    return ids, attn, ids[:, 1:], mask, padded
 
 
 @dataclass
@@ -175,16 +154,15 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
 
 
 def to_device(x, device):
-    """Tensors (also inside dicts and MicroBatches) onto `device`; from pinned host memory and
+    """Tensors (also inside dicts and dataclasses) onto `device`; from pinned host memory and
     without blocking the host where the device is not the host itself."""
     if isinstance(x, torch.Tensor):
         pin = torch.device(device).type != "cpu"
         return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
     if isinstance(x, dict):
         return {k: to_device(v, device) for k, v in x.items()}
-    if isinstance(x, MicroBatch):
-        return MicroBatch(**{k: to_device(v, device) if k != "lengths" else v
-                             for k, v in vars(x).items()})
+    if dataclasses.is_dataclass(x):  # MicroBatch, grpo.Tokens: their tensors (a list stays)
+        return type(x)(**{k: to_device(v, device) for k, v in vars(x).items()})
     return x
 
 
@@ -225,14 +203,14 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, 
     p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
     entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
     del logp_all
-    with torch.enable_grad():  # the loss's own code, on a (c,) leaf: g = dL/dlogp
+    with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
         loss, clipped = loss_fn(leaf, rows)
-        (g,) = torch.autograd.grad(loss, leaf, materialize_grads=True)
+        (dlogp,) = torch.autograd.grad(loss, leaf, materialize_grads=True)  # dL/dlogp
     # logp = z[t] - logsumexp(z) with z = logits / T: dlogp/dlogits = (onehot(t) - p) / T
-    g = g / temperature  # (c,)
-    dz = p.mul_(-g[:, None])  # (c, V), in p's memory
-    dz.scatter_add_(1, targets[:, None], g[:, None])
+    dlogp = dlogp / temperature  # (c,)
+    dz = p.mul_(-dlogp[:, None])  # (c, V), in p's memory
+    dz.scatter_add_(1, targets[:, None], dlogp[:, None])
     return logp, entropy, loss.detach(), clipped, dz.to(h.dtype)
 
 
@@ -355,13 +333,13 @@ def per_sample(found: list, n: int) -> list:
 
 
 @torch.no_grad()
-def sample_logprobs(model, samples: list, g, pad_id: int, device, temperature: float) -> list:
+def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature: float) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
-    (n_i,) fp32 CPU tensors. g: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
+    (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
     model.eval()
     found = []
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack):
+    for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack):
         batch = [samples[i] for i in idx] or [DUMMY]
-        mb = to_device(micro_batch(batch, pad_id, g.pack, model.config), device)
-        found.append((idx, run(model, mb, temperature, g.logprob_chunk)["logp"], mb.lengths))
+        mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config), device)
+        found.append((idx, run(model, mb, temperature, cfg.logprob_chunk)["logp"], mb.lengths))
     return per_sample(found, len(samples))

@@ -296,12 +296,12 @@ def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: fl
 # 4) fused kernels for Qwen2 / Qwen3 (dense) and attention for packed rows. Their plain-torch
 #    references, and the patching of a model, are in kernels.py.
 
-KERNELS = None  # a torch_npu-like namespace; tests set a stand-in to exercise the fused path
+STAND_IN = None  # a torch_npu-like namespace; tests set one to exercise the fused path
 
 
 def has_kernels() -> bool:
     """The fused kernels can be called: torch_npu is installed (or a stand-in is set)."""
-    return KERNELS is not None or npu_installed()
+    return STAND_IN is not None or npu_installed()
 
 
 def fused_by_default() -> bool:
@@ -309,9 +309,10 @@ def fused_by_default() -> bool:
     return device_type() == "npu"
 
 
-def kernels():
-    if KERNELS is not None:
-        return KERNELS
+def torch_npu():
+    """The module whose fused kernels this section calls: torch_npu, or the tests' STAND_IN."""
+    if STAND_IN is not None:
+        return STAND_IN
     import torch_npu
 
     return torch_npu
@@ -320,21 +321,21 @@ def kernels():
 def rms_norm_fused(module, hidden_states):
     # torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd); gamma must match x's dtype
     x = hidden_states.to(module.weight.dtype)
-    return kernels().npu_rms_norm(x, module.weight, epsilon=module.variance_epsilon)[0]
+    return torch_npu().npu_rms_norm(x, module.weight, epsilon=module.variance_epsilon)[0]
 
 
 def rotary_fused(q, k, cos, sin, unsqueeze_dim=1):
     # torch_npu.npu_rotary_mul(x, r1, r2) = x * r1 + rotate_half(x) * r2 ("half" mode); with x in
     # BNSD layout it takes r1/r2 of shape (1|B, 1, S, D): cos.unsqueeze(1) is (B, 1, S, D)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    mul = kernels().npu_rotary_mul
+    mul = torch_npu().npu_rotary_mul
     return mul(q, cos, sin).to(q.dtype), mul(k, cos, sin).to(k.dtype)
 
 
 def swiglu_mlp_fused(module, x):
     # torch_npu.npu_swiglu(t, dim=-1) = silu(first half of t) * second half: cat([gate, up])
     gate_up = torch.cat((module.gate_proj(x), module.up_proj(x)), dim=-1)
-    return module.down_proj(kernels().npu_swiglu(gate_up, dim=-1))
+    return module.down_proj(torch_npu().npu_swiglu(gate_up, dim=-1))
 
 
 FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention registers under
@@ -347,12 +348,6 @@ def attention_implementation(requested: str) -> str:
     if requested != "auto":
         return requested
     return FUSION_ATTENTION if device_type() == "npu" else "sdpa"
-
-
-def transformers_attention() -> str:
-    """What plain transformers runs here: its flash_attention_2 wrappers of npu_fusion_attention
-    on NPU (the route fusion_attention replaces), sdpa elsewhere. bench/train_step.py's floor."""
-    return "flash_attention_2" if device_type() == "npu" else "sdpa"
 
 
 @functools.cache
@@ -375,7 +370,7 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     From op-plugin's docs/context/torch_npu-npu_fusion_attention.md: ends are cumulative, at most
     1024 samples a row, kv heads divide heads. A padded batch runs in BNSD, causal (with a (B, S)
     padding mask: that mask made causal, sparse_mode 0). Not run on an NPU by this project: CI
-    runs it on a plain-torch stand-in of the kernel (kernels.fusion_attention_reference)."""
+    runs it on a plain-torch stand-in of the kernel (tests/reference.py)."""
     if kwargs.get("sliding_window") is not None:
         raise ValueError("npu_fusion attention: sliding-window layers are not supported")
     heads = query.shape[1]
@@ -386,7 +381,7 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise ValueError("npu_fusion attention: packed_ends is for one packed row, unmasked")
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, dim)
         ends = list(packed_ends)
-        out = kernels().npu_fusion_attention(
+        out = torch_npu().npu_fusion_attention(
             q, k, v, heads, "TND", atten_mask=causal_mask(q.device), sparse_mode=3,
             actual_seq_qlen=ends, actual_seq_kvlen=ends, **common)[0]
         return out.unsqueeze(0), None
@@ -396,6 +391,6 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         S = query.shape[2]
         keep = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
         mask, mode = ~(keep & attention_mask.bool()[:, None, None, :]), 0
-    out = kernels().npu_fusion_attention(query, key, value, heads, "BNSD", atten_mask=mask,
+    out = torch_npu().npu_fusion_attention(query, key, value, heads, "BNSD", atten_mask=mask,
                                          sparse_mode=mode, **common)[0]
     return out.transpose(1, 2), None

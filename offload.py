@@ -1,31 +1,26 @@
-"""Device memory handed between the actor and the engine: parking a sharded model (and its
-optimizer state) in host memory, and the switch that does it around the engine's turn as one
-guarded step.
+"""Device memory handed between the actor and the engine: a sharded model (and its optimizer
+state) copied to host memory and back, in place.
 
-Parking. The tensors stay the same objects: only the device storage behind them moves. `out`
+The tensors stay the same objects: only the device storage behind them moves. `HostCopy.to_host`
 copies each storage into host memory and resizes the storage to 0 bytes, which frees its device
-memory (FSDP2 frees its gathered parameters the same way); `back` resizes it again and copies the
-bytes in. Nothing is rebuilt: a DTensor rebuilt around a host copy lands on its mesh's device
-again (DTensor.from_local moves the local tensor there), and the device would keep every byte.
-One storage holds a parameter's padded FSDP2 shard (`_sharded_param_data`) and the local tensor
-that views it, so both go at once. Every FSDP2 unit is resharded first: a unit left gathered
-(a no-grad forward under reshard_after_forward=False, a push cut in the middle) would otherwise
-park its gathered copy and leave the shard on the device.
+memory (FSDP2 frees its gathered parameters the same way); `to_device` resizes it again and
+copies the bytes in. Nothing is rebuilt: a DTensor rebuilt around a host copy lands on its mesh's
+device again (DTensor.from_local moves the local tensor there), and the device would keep every
+byte. One storage holds a parameter's padded FSDP2 shard (`_sharded_param_data`) and the local
+tensor that views it, so both go at once. Every FSDP2 unit is resharded first: a unit left
+gathered (a no-grad forward under reshard_after_forward=False, a push cut in the middle) would
+otherwise copy its gathered parameters and leave the shard on the device.
 
-Host memory. A park's bytes go into one arena, allocated at the first park and reused after:
+Host memory. A copy's bytes go into one arena, allocated at the first copy and reused after:
 pinned chunks (on accelerators) whose sizes are the powers of two of the total's binary
-expansion, so that they add up to exactly the parked bytes. The accelerators' pinned host
+expansion, so that they add up to exactly the copied bytes. The accelerators' pinned host
 allocators round each block up to a power of two (torch 2.10.0 and 2.13.0,
 ATen/core/CachingHostAllocator.h, allocate: PowerOf2Ceil; by its source, the Ascend backend's
 too), so a buffer per tensor, or one buffer for all, can take up to twice the memory; a power of
 two is not rounded. Tensors are laid end to end and may straddle two chunks.
 
-The switch (`Switch.engine_turn`, a context). Inside it the loop pushes the weights and lets the
-engine work; the optimizer state leaves the device before the engine's weights wake, the
-parameters after the load and before the KV cache wakes (weight_sync.push's two callbacks).
-Whatever raises inside (an error in a reward, Ctrl-C during generation), leaving it puts the
-engine to sleep, reshards any unit a cut push left gathered, and brings everything back, so the
-next step starts from a state it can use.
+Who moves what when: weight_sync.EngineTurn (the actor and its optimizer state, around the
+engine's turn), and `on_device` (the frozen reference, around its forward passes).
 
 Not run on an accelerator by this code yet (tests/test_gpu.py measures it there).
 """
@@ -33,7 +28,6 @@ Not run on an accelerator by this code yet (tests/test_gpu.py measures it there)
 import contextlib
 import itertools
 import logging
-import time
 import weakref
 
 import torch
@@ -45,7 +39,7 @@ log = logging.getLogger("grpo")
 
 
 def device_tensors(model: torch.nn.Module | None, optimizer=None) -> list:
-    """What a park moves, in a fixed order: each parameter's local shard and each buffer (of
+    """What a HostCopy moves, in a fixed order: each parameter's local shard and each buffer (of
     `model`), each optimizer state tensor (Adam's moments), where it lives on the compute
     device."""
     found = []
@@ -93,18 +87,19 @@ class HostArena:
                 yield chunk[lo - start:hi - start], lo - offset
 
 
-class HostPark:
-    """A model's device storage (and its optimizer's state) parked in a host arena; see the
-    module's docstring. `out` then releases the device's cached blocks."""
+class HostCopy:
+    """A model's device storage (and its optimizer's state) copied into a host arena and freed on
+    the device, then back; see the module's docstring. `to_host` then releases the device's
+    cached blocks."""
 
     def __init__(self):
-        self.arena = None  # allocated at the first park, reused while the layout is the same
-        self.layout = None  # (storage bytes, ...) of the park the arena was made for
+        self.arena = None  # allocated at the first copy, reused while the layout is the same
+        self.layout = None  # (storage bytes, ...) of the copy the arena was made for
         self.allocations = 0  # arenas made (1 in a healthy run)
-        self.away = []  # [(storage, offset)] while parked
-        self.guard = None  # while parked: a forward pre-hook that refuses to run the model
+        self.away = []  # [(storage, offset)] while on the host
+        self.guard = None  # while on the host: a forward pre-hook that refuses to run the model
 
-    def out(self, model: torch.nn.Module | None, optimizer=None) -> None:
+    def to_host(self, model: torch.nn.Module | None, optimizer=None) -> None:
         if self.away:
             return
         if model is not None:
@@ -122,8 +117,8 @@ class HostPark:
         pin = npu_ops.device_type() != "cpu"  # faster copies both ways (no pinning on CPU)
         if layout != self.layout:
             if self.layout is not None:
-                log.warning("offload: the parked tensors changed size (%d -> %d bytes): host "
-                            "memory allocated again", sum(self.layout), sum(layout))
+                log.warning("offload: the tensors moved to host memory changed size (%d -> %d "
+                            "bytes): host memory allocated again", sum(self.layout), sum(layout))
             self.arena, self.layout = None, None  # the old arena goes before the new one comes
             self.arena, self.layout = HostArena(sum(layout), pin), layout
             self.allocations += 1
@@ -134,14 +129,14 @@ class HostPark:
             for piece, at in self.arena.pieces(offset, storage.nbytes()):
                 piece.copy_(src[at:at + piece.numel()], non_blocking=pin)
         npu_ops.synchronize()  # the copies are done before the memory is given back
-        self.away = away  # from here `back` restores whatever the loop below got to
+        self.away = away  # from here `to_device` restores whatever the loop below got to
         for storage, _ in away:
             storage.resize_(0)
         npu_ops.empty_cache()
         if model is not None:
-            self.guard = model.register_forward_pre_hook(_refuse_parked, prepend=True)
+            self.guard = model.register_forward_pre_hook(_refuse_on_host, prepend=True)
 
-    def back(self) -> None:
+    def to_device(self) -> None:
         pin = npu_ops.device_type() != "cpu"
         for (storage, offset), n in zip(self.away, self.layout or ()):  # a storage not yet
             #   resized (an interrupted `out`) is written with the bytes it still holds
@@ -151,112 +146,46 @@ class HostPark:
             for piece, at in self.arena.pieces(offset, n):
                 dst[at:at + piece.numel()].copy_(piece, non_blocking=pin)
         if self.away:
-            npu_ops.synchronize()  # the host bytes may be overwritten by the next park
+            npu_ops.synchronize()  # the host bytes may be overwritten by the next copy
         self.away = []
         if self.guard is not None:
             self.guard.remove()
             self.guard = None
 
     @property
-    def parked_bytes(self) -> int:
-        return sum(self.layout) if self.away else 0
-
-    @property
     def host_bytes(self) -> int:
         return sum(c.numel() for c in self.arena.chunks) if self.arena is not None else 0
 
 
-def _refuse_parked(module, args):
-    # a parked model's tensors own no bytes: running it would read freed memory
-    raise RuntimeError("this model is parked in host memory (offload.park): call "
-                       "offload.unpark(model) before running it")
+def _refuse_on_host(module, args):
+    # the model's tensors own no device bytes: running it would read freed memory
+    raise RuntimeError("this model's weights are in host memory (offload.to_host): call "
+                       "offload.to_device(model) before running it")
 
 
-_PARKS = weakref.WeakKeyDictionary()  # model -> its HostPark (host memory kept between parks)
+_COPIES = weakref.WeakKeyDictionary()  # model -> its HostCopy (host memory kept between moves)
 
 
-def park(model: torch.nn.Module) -> None:
-    """Park the model's device storage in host memory (the frozen reference between its passes)."""
-    _PARKS.setdefault(model, HostPark()).out(model)
+def to_host(model: torch.nn.Module) -> None:
+    """The model's device storage into host memory (the frozen reference between its passes)."""
+    _COPIES.setdefault(model, HostCopy()).to_host(model)
 
 
-def unpark(model: torch.nn.Module) -> None:
-    """Bring back what `park` parked, bit for bit, into the same tensors."""
-    if model in _PARKS:
-        _PARKS[model].back()
+def to_device(model: torch.nn.Module) -> None:
+    """Bring back what `to_host` moved, bit for bit, into the same tensors."""
+    if model in _COPIES:
+        _COPIES[model].to_device()
 
 
 @contextlib.contextmanager
-def unparked(model: torch.nn.Module | None):
-    """The model on the device inside the block, parked again on leaving it, whatever raised."""
-    if model is None:
-        yield
-        return
-    unpark(model)
+def on_device(model: torch.nn.Module):
+    """The model on the device inside the block, back in host memory on leaving it, whatever
+    raised."""
+    to_device(model)
     try:
         yield
     finally:
-        park(model)
-
-
-class Switch:
-    """The actor's parameters and its optimizer state out of device memory for the engine's turn
-    (so that the engine's weights and KV cache can take it) and back after it, as one guarded
-    step: see the module's docstring. Off (`enabled` False, e.g. on CPU), the moves do nothing and
-    leaving the turn still puts the engine to sleep. Each move is timed, and on accelerators the
-    device memory in use before and after it goes into `metrics`."""
-
-    def __init__(self, actor, optimizer, engine, enabled: bool):
-        self.actor, self.optimizer, self.engine, self.enabled = actor, optimizer, engine, enabled
-        self.params, self.state = HostPark(), HostPark()  # the actor's; its optimizer's
-        self.stats = {}
-
-    def optimizer_out(self) -> None:
-        """Adam's moments to host memory: before the engine's weights wake."""
-        if self.enabled:
-            self.stats = {}  # a new switch: its own numbers
-            self._move("optimizer_out", "switch_out", lambda: self.state.out(None, self.optimizer))
-
-    def actor_out(self) -> None:
-        """The actor's shards to host memory: after the load, before the KV cache wakes."""
-        if self.enabled:
-            self._move("switch_out", "switch_out", lambda: self.params.out(self.actor))
-
-    @contextlib.contextmanager
-    def engine_turn(self):
-        """The block in which the engine works. Leaving it, whatever raised: every unit of the
-        actor resharded, the engine asleep, and the actor and its optimizer state back."""
-        try:
-            yield self
-        finally:
-            try:
-                reshard(self.actor)  # a push cut between a unit's gather and its reshard
-                if self.engine.awake:
-                    self.engine.sleep()
-            finally:
-                if self.params.away or self.state.away:
-                    self._move("switch_in", "switch_in", self._back)
-
-    def _back(self) -> None:
-        self.params.back()
-        self.state.back()
-
-    def _move(self, name: str, timer: str, fn) -> None:
-        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
-        fn()
-        key = f"{timer}_time_s"
-        self.stats[key] = self.stats.get(key, 0.0) + time.perf_counter() - t
-        if before is not None:
-            self.stats.update({f"mem_{name}_before_gb": before,
-                               f"mem_{name}_after_gb": npu_ops.device_memory_used_gb()})
-
-    def metrics(self) -> dict:
-        """The newest moves' seconds (switch_out_time_s: both moves out), the device memory
-        around each on accelerators, and the host memory the parks hold (offload_host_gb)."""
-        if not self.enabled:
-            return {}
-        return {**self.stats,
-                "offload_host_gb": (self.params.host_bytes + self.state.host_bytes) / 2**30}
+        to_host(model)
 
 
 def enabled(mode: str) -> bool:
@@ -267,7 +196,7 @@ def enabled(mode: str) -> bool:
 
 def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dtype=None,
                         frozen_dtype=None) -> int:
-    """The host memory the parks of one rank take: with the offload, the actor's fp32 shards and
+    """The host memory one rank's copies take: with the offload, the actor's fp32 shards and
     Adam's two fp32 moments (12 bytes per parameter over the ranks), or with adapters on a base
     frozen in `frozen_dtype`, that base's shards (the adapters and their moments, a few percent
     at most, not counted); with a reference, its shards in `reference_dtype`. Counted on a model
@@ -294,13 +223,13 @@ def host_memory_available() -> int | None:
 
 
 def check_host_memory(needed_per_rank: int, local_ranks: int, available: int | None) -> None:
-    """Raise a one-line ValueError when the ranks of this node cannot park what they would."""
+    """Raise a one-line ValueError when the ranks of this node cannot hold their host copies."""
     if available is None or needed_per_rank * local_ranks <= available:
         return
     gib = needed_per_rank / 2**30
     raise ValueError(
-        f"model.offload: {local_ranks} rank(s) on this node would park {gib * local_ranks:.1f} "
-        f"GiB in host memory ({gib:.1f} GiB each: the actor's fp32 shards and Adam's state, "
+        f"model.offload: {local_ranks} rank(s) on this node would move {gib * local_ranks:.1f} "
+        f"GiB to host memory ({gib:.1f} GiB each: the actor's fp32 shards and Adam's state, "
         "and a reference's shards), but "
         f"{available / 2**30:.1f} GiB is available. Fix: model.offload=off, more ranks, or a "
         "host with more memory")

@@ -2,8 +2,8 @@
 
 In a synchronous step every sample waits for the slowest one, and decoding a long tail runs the
 engine at a batch of a few sequences while the rest of the device waits. With
-`rollout.partial.enabled`, each engine group keeps groups in flight from step to step (`Carry`)
-and a step's generation stops early, by one rule or both:
+`rollout.partial.enabled`, each engine group keeps groups in flight from step to step
+(`PartialRollout`) and a step's generation stops early, by one rule or both:
 - a token budget per round (`round_tokens`): a sample writes at most that many tokens a round;
   after each round the complete groups leave, fresh ones take their places, and the step ends
   at the first round's end at which its share is complete. Every carried sample writes a whole
@@ -28,13 +28,13 @@ start of a step is dropped (counted in partial_dropped): whole, because leaving 
 long samples would bias the group's advantages against long answers.
 
 Multi-turn episodes go on too: a turn can stop at a round's end and continue in a later one,
-and the environment answers it once it is over (episodes.Episodes does both). With dynamic
+and the environment answers it once it is over (episodes.EpisodeRunner does both). With dynamic
 sampling, a complete group whose rewards are all equal does not count towards the share and a
 fresh one takes its place: at most grpo.max_gen_rounds x (groups in flight + share) are drawn
 in a step. With tensor parallelism every rank of an engine group makes the same decisions from
 the same outputs and carries the same groups. A checkpoint keeps each rank's carried groups
 (state_dict); eval never sees them. Each engine group draws its own prompts from the shuffled
-data (every n_engines-th, from its index), so the groups need not wait for each other.
+data (every group.count-th, from its index), so the groups need not wait for each other.
 """
 
 import copy
@@ -42,30 +42,17 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Annotated
 
 import records
-from domains import FLAG, OneOf, Range
+import rollout
 from tracking import Max, Mean, Sum
 
 log = logging.getLogger("grpo")
 
-@dataclass
-class PartialConfig:
-    enabled: Annotated[bool, FLAG] = False  # carry unfinished samples across steps
-    # tokens a sample writes at most in a round (0: no budget; over-sampling alone stops a step)
-    round_tokens: Annotated[int, Range(0)] = 0
-    # groups in flight per engine group, as a multiple of its share of grpo.prompts_per_step
-    oversample: Annotated[float, Range(1)] = 1.0
-    # tokens written by older weights: keep (weighed by grpo.is_correction) | mask (no loss)
-    stale: Annotated[str, OneOf("keep", "mask")] = "keep"
-    # a group whose oldest token is more than this many versions old is dropped
-    max_staleness: Annotated[int, Range(1)] = 4
 
-
-def validate(cfg: PartialConfig, max_new_tokens: int) -> None:
-    """The `rollout.partial` fields across each other; a one-line ValueError naming the field."""
+def validate(cfg, max_new_tokens: int) -> None:
+    """The `rollout.partial` fields (rollout.PartialConfig) across each other; a one-line
+    ValueError naming the field."""
     if not cfg.enabled:
         return
     if cfg.round_tokens == 0 and cfg.oversample == 1:
@@ -77,66 +64,77 @@ def validate(cfg: PartialConfig, max_new_tokens: int) -> None:
                          f"rollout.max_new_tokens={max_new_tokens}. Fix: a smaller budget, or 0")
 
 
-class Carry:
+class PartialRollout:
     """An engine group's groups in flight, carried from step to step (lists of group_size
-    episodes.Episode, oldest first), and the rounds of a step (`rollout`). `cfg`: the run's
-    config tree (its rollout.partial and grpo sections); `engine`: (this engine group's index,
-    the number of engine groups); `draw(i)`: the i-th prompt of the shuffled data, of which
-    this engine group takes every n_engines-th from its index."""
+    episodes.Episode, oldest first), and the rounds of a step (`collect`). cfg: the run's config
+    tree (its rollout.partial, rollout and grpo sections); group: the rollout.EngineGroup;
+    prompts[i]: the i-th prompt of the shuffled data, of which this engine group takes every
+    group.count-th from its index; runner: the episodes.EpisodeRunner; score(generated) ->
+    (records.Rewards, keep per group): the sampler's scoring of finished groups."""
 
-    def __init__(self, cfg, engine: tuple[int, int], first_rank: bool, draw):
-        self.cfg, self.engine, self.draw = cfg.rollout.partial, tuple(engine), draw
-        self.share = cfg.grpo.prompts_per_step // engine[1]  # the groups it trains a step
+    def __init__(self, cfg, group, prompts, engine, runner, score):
+        self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
+        self.engine, self.runner, self.score = engine, runner, score
+        self.seed = cfg.rollout.seed if cfg.rollout.seed_per_step else None
+        self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
         self.group_size = cfg.grpo.group_size
         self.in_flight = math.ceil(self.share * self.cfg.oversample)
         self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
-        self.first = first_rank  # counts once per engine group
         self.groups, self.drawn = [], 0  # in flight; prompts drawn so far
-        self.saved = None  # the state a step started from, until commit()
+        self.step, self.saved = 0, None  # the step collected last, and the state it began from
         self.counts = {"dropped": 0, "generated": 0}
 
-    def rollout(self, engine, eps, score, version: int, times: dict, seed):
-        """The step's rollout: `share` complete groups (fewer only if the draws ran out), each
-        scored by score(records.Rollout) as it completes (advantages; with dynamic sampling,
-        `keep`), carried groups first. `version`: the steps trained so far, the engine's
-        weights; seed(round): that round's seed, or None. Adds to times["gen"] and ["reward"]."""
-        if self.saved is not None:  # the last step never finished (an error, Ctrl-C): again
-            self.load_state_dict(self.saved, eps)
-        self.saved = copy.deepcopy(self.state_dict())
+    def collect(self, step: int) -> records.Rollout:
+        """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out), each
+        scored as it completes, carried groups first. The engine holds the weights of step - 1
+        steps trained. Collecting a step again (the last try never finished: an error, Ctrl-C)
+        starts again from the state it began from."""
+        if step == self.step:
+            self.load_state_dict(self.saved)
+        self.step, self.saved = step, copy.deepcopy(self.state_dict())
+        version = step - 1
         stale = [g for g in self.groups if version - oldest(g, version) > self.cfg.max_staleness]
         self.groups = [g for g in self.groups if all(g is not s for s in stale)]
         self.counts = {"dropped": len(stale) * self.group_size, "generated": 0}
-        ro, env, kept, drawn = records.Rollout(), records.Rollout(), 0, 0
+        pieces, env, kept, drawn, rounds = [], records.EnvCalls(), 0, 0, 0
+        seconds = {"gen": 0.0, "reward": 0.0}
         while True:
-            while len(self.groups) < self.in_flight and drawn < self.cap:
-                example = self.draw(self.engine[0] + self.engine[1] * self.drawn)
-                self.groups.append([eps.start(example) for _ in range(self.group_size)])
-                self.drawn, drawn = self.drawn + 1, drawn + 1
+            drawn += self.refill(drawn)
             need = self.share - kept
             live = [e for g in self.groups for e in g if not e.over]
             if live and sum(done(g) for g in self.groups) < need:
-                t = time.perf_counter()
-                ro.rounds += 1
-                self.round(engine, eps, live, need, version, seed(ro.rounds), env)
-                times["gen"] += time.perf_counter() - t
+                t, rounds = time.perf_counter(), rounds + 1
+                seed = None if self.seed is None else rollout.seed_from(
+                    self.seed, step, self.group.index, rounds)
+                env += self.round(live, need, version, seed)
+                seconds["gen"] += time.perf_counter() - t
             take = [g for g in self.groups if done(g)][:need]
             self.groups = [g for g in self.groups if all(g is not t for t in take)]
             if take:
                 t = time.perf_counter()
-                piece = eps.finish([e for g in take for e in g], records.Rollout(), True)
-                ro.extend(score(piece))
-                kept += sum(piece.keep)
-                times["reward"] += time.perf_counter() - t
-            if kept >= self.share or (drawn >= self.cap and not any(
-                    not done(g) for g in self.groups)):
+                piece = self.runner.finish([e for g in take for e in g], records.EnvCalls(), True)
+                rewards, keep = self.score(piece)
+                pieces.append((piece, rewards, keep))
+                kept += sum(keep)
+                seconds["reward"] += time.perf_counter() - t
+            if kept >= self.share or (drawn >= self.cap and all(done(g) for g in self.groups)):
                 break
-        ro.extend(env)  # the environment's counts
-        return ro
+        return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
 
-    def round(self, engine, eps, live: list, need: int, version: int, seed, env) -> None:
+    def refill(self, drawn: int) -> int:
+        """Fresh groups in the places of those gone, at most cap drawn in a step (`drawn` so
+        far); returns how many it drew."""
+        n = 0
+        while len(self.groups) < self.in_flight and drawn + n < self.cap:
+            example = self.prompts[self.group.index + self.group.count * self.drawn]
+            self.groups.append([self.runner.start(example) for _ in range(self.group_size)])
+            self.drawn, n = self.drawn + 1, n + 1
+        return n
+
+    def round(self, live: list, need: int, version: int, seed) -> records.EnvCalls:
         """One engine call for every live episode's turn: at most round_tokens of it, or with no
         budget, stopped as soon as `need` groups have no turn left to write; then the
-        environment answers the turns that ended (counts into `env`)."""
+        environment answers the turns that ended. Returns its calls' counts."""
         budget = self.cfg.round_tokens or math.inf
         limits = [e.limit - len(e.pending[0]) for e in live]
         asks = [min(m, budget) for m in limits]
@@ -152,38 +150,37 @@ class Carry:
                 out[0] += writing[group[id(live[i])]] == 0
             return out[0] >= need
 
-        outs = engine.stream([e.prompt_ids + e.ids + e.pending[0] for e in live], asks, seed,
-                             stop=None if self.cfg.round_tokens else stop)
+        outs = self.engine.stream([e.prompt_ids + e.ids + e.pending[0] for e in live], asks,
+                                  seed, stop=None if self.cfg.round_tokens else stop)
         ended = []
         for e, (ids, logp, how) in zip(live, outs):
             self.counts["generated"] += len(ids)
-            if eps.advance(e, ids, logp, how, version):
+            if self.runner.advance(e, ids, logp, how, version):
                 ended.append(e)
-        eps.respond(ended, env)
-
-    def commit(self) -> None:
-        """The step is done: its carried groups are the ones the next step continues."""
-        self.saved = None
+        return self.runner.respond(ended)[1]
 
     def state_dict(self) -> dict:
-        return {"engine": self.engine, "drawn": self.drawn,
+        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
                 "groups": [[e.state() for e in g] for g in self.groups]}
 
-    def resume(self, state: dict | None, eps) -> None:
-        """The groups a checkpoint carried (its rank's state, from checkpoint.load_checkpoint),
-        if it was saved with as many engine groups; else none, and the log says so."""
+    def resume(self, state: dict | None, step: int) -> None:
+        """The groups a checkpoint of `step` carried (its rank's state, from
+        checkpoint.load_checkpoint), if it was saved with as many engine groups; else none, and
+        the log says so."""
+        self.step, self.saved = step, None
         carry = (state or {}).get("carry")
-        if carry is None or carry["engine"] != self.engine:
+        if carry is None or tuple(carry["engine"]) != (self.group.index, self.group.count):
             log.warning("partial rollout: the checkpoint holds no carried groups for engine group "
                         "%d of %d (saved without partial rollout, or with other engine groups): "
-                        "starting with none", *self.engine)
+                        "starting with none", self.group.index, self.group.count)
             return
-        self.load_state_dict(carry, eps)
+        self.load_state_dict(carry)
         log.info("partial rollout: resumed %d carried groups", len(self.groups))
 
-    def load_state_dict(self, state: dict, eps) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.drawn = state["drawn"]
-        self.groups = [[eps.restore(copy.deepcopy(s)) for s in g] for g in state["groups"]]
+        self.groups = [[self.runner.restore(copy.deepcopy(s)) for s in g]
+                       for g in state["groups"]]
 
     def metrics(self, trained: list, version: int) -> dict:
         """The step's partial-rollout metrics (tracking.reduce): the samples and tokens carried
@@ -195,7 +192,7 @@ class Carry:
         ages = [age(s, version) for s in trained]
         written = [v for s in trained for v, m in zip(s.versions, s.mask or [1] * len(s.versions))
                    if m]
-        first = int(self.first)
+        first = int(self.group.first)
         return {"partial_carried": Sum(first * len(carried)),
                 "partial_carried_tokens": Sum(first * held),
                 "partial_dropped": Sum(first * self.counts["dropped"]),

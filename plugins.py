@@ -8,7 +8,7 @@ call each at a time), `async def` functions in one process's event loop (many ca
 A call that hangs is cut at its limit (a plain call's worker is killed and replaced) while the
 others go on; one that raises or returns what its kind refuses is counted, and the run goes on.
 With a time limit of 0 the same calls run in the trainer's own process, where a breakpoint() in
-them stops.
+them stops. `Worker` is the front; `Processes` or `InProcess` runs the calls.
 
 A leaf module: it imports nothing from the project (the worker process imports only this module
 and the functions' own modules).
@@ -38,7 +38,9 @@ class Failed:
 
 
 def one_line(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())
+    """An error as one line: its type and the first line of its message, spaces collapsed."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return " ".join(f"{type(e).__name__}: {first}".split())
 
 
 def _load(where: str):
@@ -186,6 +188,16 @@ def _stop(proc, conn) -> None:
     proc.join()
 
 
+def default_workers() -> int:
+    """Worker processes for `workers=0` ("auto"): 16 per CPU of this rank (the CPUs this process
+    may run on, shared by the LOCAL_WORLD_SIZE ranks on this node), 2 to 32. That many, as the
+    calls mostly wait (a reward that calls a service, an environment that sleeps or runs a
+    child) and a pool starts them only while calls wait (Processes)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return min(32, max(2, cpus * 16 // ranks))
+
+
 class _Proc:
     """One worker process: its connection, and the calls sent to it and not yet answered
     ({k: the time it began, or None while it waits its turn})."""
@@ -195,51 +207,25 @@ class _Proc:
         self.ready, self.calls, self.since = False, {}, time.monotonic()
 
 
-class Worker:
-    """Functions of one kind (`what`: "reward", "environment"), each call with a time limit of
-    timeout_s, in worker processes started on first use and kept: a plain function's calls run
-    in up to `workers` processes at once, one call each at a time; an `async def` function's in
-    one process's event loop, at most `concurrency` at once. In this process with timeout_s 0.
-    `resolver(spec)` finds each function (in the workers too: module-level); `check(value)`
-    returns what a call's value stands for, or raises for one the kind refuses. `run` returns
-    each call's outcome, in order: that, Failed, or TimeoutError (cut at the limit: a plain
-    call's worker is killed and replaced, the other calls go on). Use as a context manager, or
-    call close()."""
+class InProcess:
+    """Worker's calls in this process (timeout_s 0: no limit), where a breakpoint() in them
+    stops: plain functions' one after another, then `async def` ones' on an event loop."""
 
-    START_TIMEOUT_S = 120.0  # for a worker to start and import the functions (no call's time)
-
-    def __init__(self, specs: list[str], resolver, check, timeout_s: float, what: str,
-                 workers: int = 1, concurrency: int = 64):
-        self.specs, self.resolver, self.check = list(specs), resolver, check
-        self.timeout_s, self.what = timeout_s, what
-        self.workers, self.concurrency = workers, concurrency
-        fns = [resolver(s) for s in self.specs]  # (the config's check resolved them already)
-        self.is_async = [inspect.iscoroutinefunction(fn) for fn in fns]
-        self.fns = fns if timeout_s == 0 else None
-        self._shown = set()  # in-process: the functions whose failure was shown
-        self._plain, self._async = [], []  # the worker processes, _Proc each
+    def __init__(self, specs, fns, is_async, check, what: str, concurrency: int):
+        self.specs, self.fns, self.is_async, self.check = specs, fns, is_async, check
+        self.what, self.concurrency, self._shown = what, concurrency, set()  # (failures shown)
 
     def run(self, calls: list[tuple[int, tuple]]) -> list:
-        if self.fns is not None:  # in this process
-            return self._run_here(calls)
-        try:
-            return self._run(calls)
-        except BaseException:  # Ctrl-C mid-job: the workers would answer the next job with
-            self.close()  # this one's outcomes still on their way; fresh ones start instead
-            raise
-
-    def _run_here(self, calls: list[tuple[int, tuple]]) -> list:
         out = [None] * len(calls)
         later = [(k, j, args) for k, (j, args) in enumerate(calls) if self.is_async[j]]
         for k, (j, args) in enumerate(calls):
             if not self.is_async[j]:
                 out[k] = call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
-        if later:
-            for k, v in self._gather_here(later).items():
-                out[k] = v
+        for k, v in (self._gather(later) if later else {}).items():
+            out[k] = v
         return out
 
-    def _gather_here(self, calls: list[tuple[int, int, tuple]]) -> dict:
+    def _gather(self, calls: list[tuple[int, int, tuple]]) -> dict:
         """The async calls, run to completion in this process: on an event loop in this thread,
         or, when this thread already runs one (a notebook's), on one in a helper thread. Ctrl-C
         cancels them either way, so that none runs on past the job it belonged to."""
@@ -271,51 +257,63 @@ class Worker:
             raise
         return task.result()
 
+    def close(self) -> None:
+        pass  # nothing runs between run()s
+
+
+class Processes:
+    """Worker's calls in worker processes, kept from job to job: plain functions' in up to
+    `workers`, a call each at a time (a hung call's worker is killed and replaced); `async def`
+    ones' in one worker's event loop, `concurrency` at once (killed if it fails to cut a call).
+    The pool grows as calls wait: the first worker starts with the first call, more only when
+    queued calls have waited PATIENCE_S behind busy workers, so that cheap calls (a reward that
+    compares strings) never pay for starting processes they do not need."""
+
+    START_TIMEOUT_S = 120.0  # for a worker to start and import the functions (no call's time)
+    PATIENCE_S = 0.2  # queued calls waiting this long behind busy workers start more workers
+
+    def __init__(self, specs, is_async, resolver, check, timeout_s, what, workers, concurrency):
+        self.specs, self.is_async, self.resolver, self.check = specs, is_async, resolver, check
+        self.timeout_s, self.what = timeout_s, what
+        self.workers, self.concurrency = workers, concurrency
+        self._plain, self._async = [], []  # the worker processes, _Proc each
+
+    def run(self, calls: list[tuple[int, tuple]]) -> list:
+        try:
+            return self._run(calls)
+        except BaseException:  # Ctrl-C mid-job: the workers would answer the next job with
+            self.close()  # this one's outcomes still on their way; fresh ones start instead
+            raise
+
     def _run(self, calls: list[tuple[int, tuple]]) -> list:
         out, left = [None] * len(calls), len(calls)
         plain = collections.deque(k for k, (j, _) in enumerate(calls) if not self.is_async[j])
         later = [k for k, (j, _) in enumerate(calls) if self.is_async[j]]
         grace = max(2.0, 0.5 * self.timeout_s)  # an async call the worker's loop failed to cut
+        self._served = time.monotonic()  # when the queue last gave a worker calls
         while left:
-            now = time.monotonic()
             self._reap()
-            # plain calls: one each to idle workers (with one worker, all at once, in order)
-            while plain and len(self._plain) < min(self.workers, len(plain) + sum(
-                    1 for w in self._plain if w.calls)):
-                self._plain.append(self._spawn())
-            for w in self._plain:
-                if w.ready and not w.calls and plain:
-                    n = len(plain) if self.workers == 1 else 1
-                    job = [plain.popleft() for _ in range(n)]
-                    self._send(w, [(k, *calls[k]) for k in job], job, now)
-            if later:  # async calls: all to one worker's event loop
-                if not self._async:
-                    self._async.append(self._spawn())
-                w = self._async[0]
-                if w.ready and not w.calls:
-                    self._send(w, ("async", [(k, *calls[k]) for k in later], self.timeout_s),
-                               later, None)
-                    later = []
-            # wait for an answer, or for the first limit to pass
+            later = self._dispatch(calls, plain, later)
+            # wait for an answer, for the first limit to pass, or for the queue's patience
             busy = [w for w in self._plain + self._async if w.calls or not w.ready]
             if not busy:  # (cannot be: every call left is queued to a worker, or running)
                 raise RuntimeError(f"{self.what} worker pool: {left} calls and no worker")
-            deadlines = [self._deadline(w, grace) for w in busy]
-            first = min(deadlines)
+            first = min(self._deadline(w, grace) for w in busy)
+            if plain and len(self._plain) < self.workers:
+                first = min(first, self._served + self.PATIENCE_S)
             wait = None if first == float("inf") else max(0.0, first - time.monotonic())
             for conn in multiprocessing.connection.wait([w.conn for w in busy], wait):
                 w = next(w for w in busy if w.conn is conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):  # it died in a call (crash, os._exit) or starting
-                    if not w.ready:
-                        self._give_up(w, f"it exited with code {w.proc.exitcode}")
-                    left -= self._lost(w, out, plain, later, Failed)
+                    why = f"it exited with code {w.proc.exitcode}"
+                    left -= self._lost(w, out, plain, later, Failed, why)
                     continue
                 w.since = time.monotonic()
                 if not w.ready:
                     if msg != "ready":
-                        self._give_up(w, msg)
+                        self._give_up(msg)
                     w.ready = True
                 elif msg[0] == "start":
                     w.calls[msg[1]] = w.since
@@ -328,18 +326,40 @@ class Worker:
             now = time.monotonic()
             for w in busy:  # each past its limit: cut, with the calls it was running
                 if w.proc is not None and now >= self._deadline(w, grace):
-                    if not w.ready:
-                        self._give_up(w, "no answer")
-                    left -= self._lost(w, out, plain, later, TimeoutError)
+                    left -= self._lost(w, out, plain, later, TimeoutError, "no answer")
         return out
+
+    def _dispatch(self, calls: list[tuple[int, tuple]], plain, later: list[int]) -> list[int]:
+        """Send the queued calls: plain ones one each to idle workers (with one worker, all at
+        once, in order), starting workers as the class says; async ones all to one event loop.
+        Returns the async calls still to send."""
+        now = time.monotonic()
+        for w in self._plain:
+            if w.ready and not w.calls and plain:
+                job = [plain.popleft() for _ in range(len(plain) if self.workers == 1 else 1)]
+                self._send(w, [(k, *calls[k]) for k in job], job, now)
+                self._served = now
+        if plain and not self._plain:  # the first worker
+            self._plain.append(self._spawn())
+        elif (plain and all(w.ready for w in self._plain)
+              and now - self._served >= self.PATIENCE_S):  # waiting behind busy workers
+            for _ in range(min(self.workers - len(self._plain), len(plain))):
+                self._plain.append(self._spawn())
+        if later:
+            if not self._async:
+                self._async.append(self._spawn())
+            w = self._async[0]
+            if w.ready and not w.calls:
+                self._send(w, ("async", [(k, *calls[k]) for k in later], self.timeout_s),
+                           later, None)
+                return []
+        return later
 
     def _deadline(self, w: _Proc, grace: float) -> float:
         if not w.ready:
             return w.since + self.START_TIMEOUT_S
-        began = [t for t in w.calls.values() if t is not None]
-        if not began:
-            return float("inf")
-        return min(began) + self.timeout_s + (grace if w in self._async else 0.0)
+        began = min((t for t in w.calls.values() if t is not None), default=float("inf"))
+        return began + self.timeout_s + (grace if w in self._async else 0.0)
 
     def _send(self, w: _Proc, job, ks: list[int], now: float | None) -> None:
         w.calls = dict.fromkeys(ks)
@@ -350,9 +370,11 @@ class Worker:
         except OSError:  # it died while idle: none of its calls began; the next wait() reads
             w.calls = dict.fromkeys(ks)  # its end, and they go to another worker
 
-    def _lost(self, w: _Proc, out: list, plain, later: list, outcome) -> int:
+    def _lost(self, w: _Proc, out: list, plain, later: list, outcome, why: str) -> int:
         """Stop worker `w`: the calls it was running get `outcome`, those it had not begun go
-        back in the queue. Returns how many got an outcome."""
+        back in the queue. Returns how many got an outcome. One not yet ready (`why`) fails."""
+        if not w.ready:
+            self._give_up(why)
         n, waiting = 0, []
         for k, began in w.calls.items():
             if began is not None:
@@ -363,7 +385,7 @@ class Worker:
         self._drop(w)
         return n
 
-    def _give_up(self, w: _Proc, why: str):
+    def _give_up(self, why: str):
         self.close()
         raise RuntimeError(f"the {self.what} worker did not start ({why}). Fix: make every "
                            "function importable in a fresh Python process.")
@@ -382,8 +404,8 @@ class Worker:
         finally:
             sys.modules["__main__"] = main
         child.close()  # so that our end reads EOF if the worker dies
-        # stops the worker when this Worker is collected, and at exit: atexit runs this before
-        # multiprocessing's own hook (registered earlier), which would wait for it forever
+        # stops the worker when these Processes are collected, and at exit: atexit runs this
+        # before multiprocessing's own hook (registered earlier), which would wait for it forever
         finalizer = weakref.finalize(self, _stop, proc, conn)
         atexit.register(finalizer)
         return _Proc(proc, conn, finalizer)
@@ -406,6 +428,34 @@ class Worker:
         """Stop the workers, if any (a later run() starts new ones)."""
         for w in self._plain + self._async:
             self._drop(w)
+
+
+class Worker:
+    """Functions of one kind (`what`: "reward", "environment"), each call cut at timeout_s, in
+    worker processes (Processes; `workers` 0: default_workers()), or with timeout_s 0 in this
+    process (InProcess). `resolver(spec)` finds each function (in the workers too: module-level);
+    `check(value)` returns what a call's value stands for, or raises for one the kind refuses.
+    `run` returns each call's outcome, in order: that, Failed, or TimeoutError (cut at the
+    limit). Use as a context manager, or call close()."""
+
+    def __init__(self, specs: list[str], resolver, check, timeout_s: float, what: str,
+                 workers: int = 1, concurrency: int = 64):
+        specs, self.workers = list(specs), workers or default_workers()
+        fns = [resolver(s) for s in specs]  # (the config's check resolved them already)
+        is_async = [inspect.iscoroutinefunction(fn) for fn in fns]
+        if timeout_s == 0:
+            self.runner = InProcess(specs, fns, is_async, check, what, concurrency)
+            self.fns, self._plain, self._async = fns, [], []  # (what tests read)
+        else:
+            self.runner = Processes(specs, is_async, resolver, check, timeout_s, what,
+                                    self.workers, concurrency)
+            self.fns, self._plain, self._async = None, self.runner._plain, self.runner._async
+
+    def run(self, calls: list[tuple[int, tuple]]) -> list:
+        return self.runner.run(calls)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def __enter__(self):
         return self

@@ -1,7 +1,9 @@
 """What a rollout produced, as typed records: each sample (`Sample`: its prompt, its response
-tokens and the engine's logprob of each) and a step's rollout (`Rollout`: the samples and what
-the reward phase made of them, with the rollout's part of the step's metrics). The engine
-(rollout.py) and the episodes (episodes.py) make them; grpo.py trains on them.
+tokens and the engine's logprob of each), what the episodes made of a batch of prompts
+(`Generated`), what the reward functions made of it (`Rewards`), and a step's rollout (`Rollout`:
+all of it, with the rollout's part of the step's metrics). The engine (rollout.py) and the
+episodes (episodes.py) make samples; the sampler (sampler.py) puts a step's rollout together,
+once, in `Rollout.join`; grpo.py scores it and trains on it.
 
 A leaf module, near enough: it imports only tracking's metric types.
 """
@@ -28,72 +30,112 @@ class Sample:
         return len(self.response_ids) if self.mask is None else sum(self.mask)
 
 
+def shown(examples: list[dict], texts: list[str]) -> list:
+    """What samples.jsonl shows of each sample: its text, or an episode's conversation."""
+    return [ex.get("conversation", text) for ex, text in zip(examples, texts)]
+
+
+@dataclass
+class EnvCalls:
+    """An environment's calls, counted: those that raised, those cut at env.timeout_s, and the
+    seconds this rank waited for them."""
+    errors: int = 0
+    timeouts: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: "EnvCalls") -> "EnvCalls":
+        return EnvCalls(self.errors + other.errors, self.timeouts + other.timeouts,
+                        self.seconds + other.seconds)
+
+
+@dataclass
+class Generated:
+    """Finished episodes of a batch of prompts, prompt-major (the G of a prompt consecutive)."""
+    samples: list[Sample]
+    examples: list[dict]  # each sample's dataset row (with "conversation" when an env ran)
+    texts: list[str]  # each sample's last model turn, decoded
+    turns: list[int]  # model turns
+    failed: list[bool]  # its environment failed or was cut (scored 0)
+    limited: list[bool]  # a limit (turns, tokens) ended it
+    env: EnvCalls = field(default_factory=EnvCalls)  # the environment calls that made them
+
+
+@dataclass
+class Rewards:
+    """The reward functions' answer for each sample of a Generated (rewards.Scorer.score)."""
+    total: list[float]  # the functions' weighted sum (0 for a sample whose episode failed)
+    by_name: dict[str, list[float]]  # each function's own value
+    failed: list[bool]  # one of its calls raised or was cut (that call scores 0)
+    errors: int = 0  # calls that raised
+    timeouts: int = 0  # calls cut at reward.timeout_s
+
+
 @dataclass
 class Rollout:
-    """One step's samples and what the reward phase made of them. Lists over samples are
-    prompt-major (the G samples of a prompt are consecutive), lists over groups have one entry
-    per prompt. Every rank of an engine group holds the same rollout."""
+    """One step's samples and their rewards, each list prompt-major over samples, or one entry
+    per group (prompt) or per engine group where it says so. Every rank of an engine group holds
+    the same rollout. Made by `join`, read by everything after."""
 
-    samples: list[Sample] = field(default_factory=list)
-    examples: list[dict] = field(default_factory=list)  # each sample's dataset row
-    texts: list[str] = field(default_factory=list)  # each sample's decoded response
-    scores: list[float] = field(default_factory=list)  # the reward functions' weighted sum
-    adv: list[float] = field(default_factory=list)  # advantage within its group (after shaping)
-    by_name: dict[str, list[float]] = field(default_factory=dict)  # each function, per sample
-    constant: list[bool] = field(default_factory=list)  # per group: all rewards equal, no signal
-    keep: list[bool] = field(default_factory=list)  # per group: may go into the update
-    # per sample: out of the loss, its environment or a reward call having failed (env.on_failure)
-    dropped: list[bool] = field(default_factory=list)
-    errors: int = 0  # reward calls that failed (scored 0)
-    timeouts: int = 0  # reward calls cut at reward.timeout_s (scored 0)
-    rounds: int = 0  # generation rounds (dynamic sampling draws fresh prompts)
-    trained: list[int] = field(default_factory=list)  # the samples the update takes
-    # episodes (episodes.py), per sample: model turns, whether the environment failed or was
-    # cut (scored 0), whether a limit (turns, tokens) ended it; and the environment's counts
-    turns: list[int] = field(default_factory=list)
-    failed: list[bool] = field(default_factory=list)
-    limited: list[bool] = field(default_factory=list)
-    env_errors: int = 0
-    env_timeouts: int = 0
-    env_seconds: float = 0.0
+    samples: list[Sample]
+    examples: list[dict]
+    texts: list[str]
+    turns: list[int]
+    env_failed: list[bool]
+    limited: list[bool]
+    rewards: list[float]
+    by_name: dict[str, list[float]]
+    reward_failed: list[bool]
+    keep: list[bool]  # per group: may go into the update (dynamic sampling drops the constant)
+    kept: list[int]  # per engine group: its groups kept
+    env: EnvCalls  # the environment calls of the step
+    reward_errors: int
+    reward_timeouts: int
+    rounds: int  # generation rounds
+    seconds: dict  # {"gen": generating, "reward": scoring}
 
-    def extend(self, other: "Rollout") -> None:
-        """Append another round's samples and counts."""
-        for name in ("samples", "examples", "texts", "scores", "adv", "constant", "keep", "turns",
-                     "failed", "limited", "dropped"):
-            getattr(self, name).extend(getattr(other, name))
-        for name, values in other.by_name.items():
-            self.by_name.setdefault(name, []).extend(values)
-        for name in ("errors", "timeouts", "rounds", "env_errors", "env_timeouts", "env_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+    @classmethod
+    def join(cls, pieces: list, kept: list[int], env: EnvCalls, rounds: int,
+             seconds: dict) -> "Rollout":
+        """The rollout of `pieces`, [(Generated, Rewards, keep per group)] in order."""
+        gen = [g for g, _, _ in pieces]
+        rew = [r for _, r, _ in pieces]
+        names = rew[0].by_name if rew else {}
+        return cls(samples=[s for g in gen for s in g.samples],
+                   examples=[x for g in gen for x in g.examples],
+                   texts=[t for g in gen for t in g.texts], turns=[t for g in gen for t in g.turns],
+                   env_failed=[f for g in gen for f in g.failed],
+                   limited=[x for g in gen for x in g.limited],
+                   rewards=[x for r in rew for x in r.total],
+                   by_name={n: [x for r in rew for x in r.by_name[n]] for n in names},
+                   reward_failed=[f for r in rew for f in r.failed],
+                   keep=[k for _, _, keep in pieces for k in keep], kept=list(kept), env=env,
+                   reward_errors=sum(r.errors for r in rew),
+                   reward_timeouts=sum(r.timeouts for r in rew), rounds=rounds,
+                   seconds=dict(seconds))
 
     def completions(self) -> list:
-        """What samples.jsonl shows of each sample: its text, or an episode's conversation."""
-        return [ex.get("conversation", text) for ex, text in zip(self.examples, self.texts)]
+        return shown(self.examples, self.texts)
 
-    def metrics(self, groups_trained: int, tp_rank: int, tp: int, env: bool) -> dict:
+    def metrics(self, group, env: bool) -> dict:
         """The rollout's part of the step's metrics (tracking.reduce): each generated sample
-        counted once over its engine group's ranks (rank tp_rank takes every tp-th), and each
-        count of the engine group once."""
+        counted once over its engine group's ranks (rank tp_rank takes every size-th), and each
+        count of the engine group once (its first rank). group: rollout.EngineGroup."""
+        tp_rank, tp, first = group.tp_rank, group.size, int(group.first)
         share = [self.samples[i] for i in range(tp_rank, len(self.samples), tp)]
-        n, first = len(share), int(tp_rank == 0)
+        n = len(share)
         response = sum(s.model_tokens for s in share)  # an episode's: the model's turns
-        m = {"reward_mean": Mean(sum(self.scores[tp_rank::tp]), n),
+        m = {"reward_mean": Mean(sum(self.rewards[tp_rank::tp]), n),
              "response_len_mean": Mean(response, n),
              "truncated_frac": Mean(sum(s.truncated for s in share), n),
-             "reward_errors": Sum(first * self.errors),
-             "reward_timeouts": Sum(first * self.timeouts),
-             "groups_constant": Sum(first * sum(self.constant)),
-             "groups_trained": Sum(first * groups_trained),
-             "samples_trained": Sum(first * len(self.trained)),
-             "samples_dropped": Sum(first * sum(self.dropped)),
+             "reward_errors": Sum(first * self.reward_errors),
+             "reward_timeouts": Sum(first * self.reward_timeouts),
              "tokens": Sum(sum(len(s.prompt_ids) + len(s.response_ids) for s in share))}
         if len(self.by_name) > 1:  # each reward function's mean, beside their weighted sum
             m.update({f"reward/{name}": Mean(sum(v[tp_rank::tp]), n)
                       for name, v in self.by_name.items()})
         if env:  # episodes: model turns, the environment's time (this rank's), failures, limits
             m.update(turns_mean=Mean(sum(self.turns[tp_rank::tp]), n),
-                     env_time_s=self.env_seconds, env_errors=Sum(first * self.env_errors),
-                     env_timeouts=Sum(first * self.env_timeouts),
+                     env_time_s=self.env.seconds, env_errors=Sum(first * self.env.errors),
+                     env_timeouts=Sum(first * self.env.timeouts),
                      limited_frac=Mean(sum(self.limited[tp_rank::tp]), n))
         return m

@@ -126,8 +126,10 @@ class RewardConfig:
     # time limit of one reward call on one sample (a cut call scores 0); 0: call the functions
     #   in this process, no time limit (breakpoint() works in a reward)
     timeout_s: Annotated[float, Range(0)] = 10.0
-    # worker processes that call plain functions at once (a call each); ignored with timeout_s 0
-    workers: Annotated[int, Range(1)] = 1
+    # worker processes that call plain functions at once (a call each); ignored with timeout_s 0.
+    #   0: 16 per CPU of this rank, 2 to 32 (plugins.default_workers; the start-up log says how
+    #   many); 1: one call at a time, in order (to debug)
+    workers: Annotated[int, Range(0)] = 0
     # calls of `async def` rewards in flight at once, in one worker's event loop
     concurrency: Annotated[int, Range(1)] = 64
 

@@ -199,22 +199,3 @@ def format_line(m: dict, steps: int) -> str:
     if "eval_mean_at_k" in m:
         line += f" mean@k {m['eval_mean_at_k']:.3f}"
     return line
-
-
-def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
-    return not (record.msg == "%s: Failed to load weights" and record.args
-                and str(record.args[0]).endswith("RotaryEmbedding"))
-
-
-def quiet_rotary_reload_warning() -> None:
-    """Keep one vLLM warning out of the console: "RotaryEmbedding: Failed to load weights" (or a
-    subclass's name, as vLLM-Ascend's AscendRotaryEmbedding), logged on every rank at every
-    sync. vLLM's layerwise reload (model_loader/reload/layerwise.py,
-    finalize_layerwise_processing, vLLM 0.23 and 0.32) logs it for each layer that holds tensors
-    but received none; a rotary embedding's only tensor is its cos/sin buffer, which is no
-    checkpoint weight, and the reload puts it back unchanged (tests/test_engine_sync.py checks the
-    engine's logprobs after each sync). The same warning for any other layer, a weight that
-    really went missing, still shows."""
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if _drop_rotary_reload_warning not in logger.filters:
-        logger.addFilter(_drop_rotary_reload_warning)

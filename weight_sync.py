@@ -22,6 +22,8 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
 With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
 whole (all of them in one all-gather: `gather_rows`) into `rollout.Engine.load_adapter`, which
 writes them into the engine's adapter slot in place; the engine's base never changes.
+
+`EngineTurn` is the engine's turn around the push: the memory moves, the wakes, and the sleep.
 """
 
 import math
@@ -32,6 +34,8 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_utils
 import npu_ops
+import offload
+
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
     """[(FSDP unit, names of the parameters it owns)] in the order the engine takes them best:
@@ -138,31 +142,83 @@ def gather_rows(tensors: list, dtype: torch.dtype) -> list:
 
 
 @torch.no_grad()
-def push(model: torch.nn.Module, engine, before_weights=None, before_kv_cache=None) -> dict:
-    """Wake the engine's weights, stream the actor into them, then wake its KV cache.
-
-    Order: weights -> load -> KV cache (see rollout.py). The two callbacks run just before the
-    weights wake and between the load and the KV cache's wake: the loop moves the optimizer
-    state, then the actor, out of device memory there (offload.Switch), so that each wake finds
-    the memory it needs. Returns {"bytes": sent, "seconds": s}, the seconds without the calls.
-    """
-    t0, moves = time.perf_counter(), 0.0
-
-    def move(call):  # the switch's moves, timed apart from the sync
-        nonlocal moves
-        if call is not None:
-            t = time.perf_counter()
-            call()
-            moves += time.perf_counter() - t
-
+def load(model: torch.nn.Module, engine) -> int:
+    """Stream the actor into the engine's awake weights (the adapters alone, with LoRA): every
+    rank must call. Returns the bytes sent."""
     stats, dtype = {"bytes": 0}, getattr(torch, engine.cfg.dtype)
-    move(before_weights)
-    engine.wake(["weights"])
     if engine.lora is not None:
         engine.load_adapter(full_adapters(model, dtype, stats))
     else:
         engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit"))
-    move(before_kv_cache)
-    engine.wake(["kv_cache"])
-    npu_ops.synchronize()
-    return {"bytes": stats["bytes"], "seconds": time.perf_counter() - t0 - moves}
+    return stats["bytes"]
+
+
+class EngineTurn:
+    """The engine's turn on the device, as one guarded block (`with turn:`), the one owner of
+    wake, push, sleep and the memory moves around them, for a rollout and for eval alike.
+    Entering it: the optimizer state to host memory (offload.HostCopy), the engine's weights
+    awake, the actor pushed into them (`load`), the actor's shards to host memory, the KV cache
+    awake, each wake finding the memory the moves freed. Inside, the engine generates. Leaving
+    it, whatever raised (an error in a reward, Ctrl-C during generation): every unit of the
+    actor resharded (a push cut between a unit's gather and its reshard), the engine asleep, and
+    the actor and its optimizer state back. `offload_on` False (model.offload, off on CPU): no
+    move, the rest as said. `metrics()`: the newest turn's seconds, bytes and memory."""
+
+    def __init__(self, actor, optimizer, engine, offload_on: bool):
+        self.actor, self.optimizer, self.engine = actor, optimizer, engine
+        self.offload_on = offload_on
+        self.params, self.state = offload.HostCopy(), offload.HostCopy()  # the actor's; its Adam's
+        self.stats = {}
+
+    def __enter__(self):
+        self.stats = {"sync_time_s": 0.0}
+        try:
+            self._move("optimizer_out", lambda: self.state.to_host(None, self.optimizer))
+            t = time.perf_counter()
+            self.engine.wake(["weights"])
+            self.stats["sync_gb"] = load(self.actor, self.engine) / 2**30
+            self.stats["sync_time_s"] += time.perf_counter() - t
+            self._move("actor_out", lambda: self.params.to_host(self.actor))
+            t = time.perf_counter()
+            self.engine.wake(["kv_cache"])
+            npu_ops.synchronize()
+            self.stats["sync_time_s"] += time.perf_counter() - t
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            offload.reshard(self.actor)
+            t = time.perf_counter()
+            self.engine.sleep()  # frees weights + KV cache where the platform can
+            self.stats["sleep_time_s"] = time.perf_counter() - t
+        finally:
+            if self.params.away or self.state.away:
+                self._move("actor_in", self._back)
+
+    def _back(self) -> None:
+        self.params.to_device()
+        self.state.to_device()
+
+    def _move(self, name: str, fn) -> None:
+        """fn, a move between device and host, timed (offload_{out,in}_time_s) and, on
+        accelerators, the device memory in use before and after it (mem_{name}_*_gb)."""
+        if not self.offload_on:
+            return
+        t, before = time.perf_counter(), npu_ops.device_memory_used_gb()
+        fn()
+        key = "offload_in_time_s" if name == "actor_in" else "offload_out_time_s"
+        self.stats[key] = self.stats.get(key, 0.0) + time.perf_counter() - t
+        if before is not None:
+            self.stats.update({f"mem_{name}_before_gb": before,
+                               f"mem_{name}_after_gb": npu_ops.device_memory_used_gb()})
+
+    def metrics(self) -> dict:
+        """The newest turn's seconds (sync_time_s: wakes and push; sleep_time_s; with the
+        offload, offload_out_time_s for both moves out, offload_in_time_s), bytes pushed
+        (sync_gb), device memory around each move on accelerators, and the host memory the
+        copies hold (offload_host_gb)."""
+        host = (self.params.host_bytes + self.state.host_bytes) / 2**30
+        return {**self.stats, **({"offload_host_gb": host} if self.offload_on else {})}

@@ -4,17 +4,17 @@ line.
     python bench/envs.py                       # 512 episodes of 3 turns; about 2.5 minutes
     python bench/envs.py --episodes 32         # a quick look
 
-Each mode runs the same rollout (episodes.Episodes on a real engine, the tiny task's model,
-seeded) with an environment that always answers after a nap of --env-sleep seconds (50 ms), so
-every episode takes env.max_turns = 3 turns and the environment is called 3 times per episode
-(the third answer meets the turn limit). Modes: serial (env.workers 1: the calls one after
-another), pooled (env.workers --workers, 16: plain functions in that many processes), async (an
-`async def` environment awaiting the same nap, env.concurrency --concurrency, 64). Reported:
-the environment's seconds per turn (Rollout.env_seconds / 3) and each mode's ratio to serial;
-the same for a reward that naps --reward-sleep seconds (20 ms) over the rollout's samples
-(rewards.Scorer, one call per sample). The pools start before the timed rollout (warm-up jobs as
-wide as the pool, until every worker answered one): their start-up is reported apart, as
-`start_s`.
+Each mode runs the same rollout (episodes.EpisodeRunner on a real engine, the tiny task's
+model, seeded) with an environment that always answers after a nap of --env-sleep seconds
+(50 ms), so every episode takes env.max_turns = 3 turns and the environment is called 3 times
+per episode (the third answer meets the turn limit). Modes: serial (env.workers 1: the calls one
+after another), pooled (env.workers --workers, 16: plain functions in that many processes),
+async (an `async def` environment awaiting the same nap, env.concurrency --concurrency, 64).
+Reported: the environment's seconds per turn (records.Generated.env.seconds / 3) and each mode's
+ratio to serial; the same for a reward that naps --reward-sleep seconds (20 ms) over the
+rollout's samples (rewards.Scorer, one call per sample). The pools start before the timed
+rollout (warm-up jobs as wide as the pool, until every worker answered one): their start-up is
+reported apart, as `start_s`.
 """
 
 import argparse
@@ -32,31 +32,35 @@ def _nap(kind: str) -> float:
     return float(os.environ.get(f"BENCH_{kind.upper()}_SLEEP", NAP[kind]))
 
 
-# each answers the warm-up's calls ({"warm": True}) at once with the worker's process id
+# each answers a warm-up call ({"warm": seconds}) after that nap with the worker's process id
 
 def env_plain(messages, example):
-    if example.get("warm"):
+    if "warm" in example:
+        time.sleep(example["warm"])
         return str(os.getpid())
     time.sleep(_nap("env"))
     return example["prompt"]
 
 
 async def env_async(messages, example):
-    if example.get("warm"):
+    if "warm" in example:
+        await asyncio.sleep(example["warm"])
         return str(os.getpid())
     await asyncio.sleep(_nap("env"))
     return example["prompt"]
 
 
 def reward_plain(completion, example):
-    if example.get("warm"):
+    if "warm" in example:
+        time.sleep(example["warm"])
         return float(os.getpid())
     time.sleep(_nap("reward"))
     return 1.0
 
 
 async def reward_async(completion, example):
-    if example.get("warm"):
+    if "warm" in example:
+        await asyncio.sleep(example["warm"])
         return float(os.getpid())
     await asyncio.sleep(_nap("reward"))
     return 1.0
@@ -64,10 +68,15 @@ async def reward_async(completion, example):
 
 def warm_up(worker, first_arg, width: int) -> float:
     """Seconds until the pool is up: jobs of `width` calls until each went to a worker of its
-    own (the first job starts them all, and the first ready ones take the calls of the others
-    still starting, which would otherwise start inside the timed run)."""
+    own, so that none starts inside the timed run. The pool grows only while calls wait behind
+    busy workers (plugins.Processes.PATIENCE_S): with more than one worker, each warm-up call
+    naps twice that, so that the first job starts the rest of the pool, and the first ready
+    workers take the calls of the others still starting."""
+    import plugins
+
+    nap = 2 * plugins.Processes.PATIENCE_S if width > 1 else 0.0
     t = time.perf_counter()
-    while len({repr(v) for v in worker.run([(0, (first_arg, {"warm": True}))] * width)}) < width:
+    while len({repr(v) for v in worker.run([(0, (first_arg, {"warm": nap}))] * width)}) < width:
         pass
     return time.perf_counter() - t
 
@@ -113,23 +122,23 @@ def main():
         cfg = episodes.EnvConfig(name=f"{me}:env_{kind}", max_turns=turns,
                                  max_tokens=turns * max_new + (turns - 1) * 8, timeout_s=10.0,
                                  workers=workers, concurrency=args.concurrency)
-        eps = episodes.Episodes(cfg, tok, False, "prompt", max_new)
+        runner = episodes.EpisodeRunner(cfg, tok, False, "prompt", max_new)
         width = workers if kind == "plain" else 1
-        start_s = warm_up(eps.worker, [], width)
-        ro = eps.run(engine, batch, G, seed=0)
-        eps.close()
-        assert ro.env_errors == ro.env_timeouts == 0 and set(ro.turns) == {turns}, ro.turns
-        out["env"][mode] = {"per_turn_s": round(ro.env_seconds / turns, 4),
+        start_s = warm_up(runner.worker, [], width)
+        gen = runner.run(engine, batch, G, seed=0)
+        runner.close()
+        assert gen.env.errors == gen.env.timeouts == 0 and set(gen.turns) == {turns}, gen.turns
+        out["env"][mode] = {"per_turn_s": round(gen.env.seconds / turns, 4),
                             "start_s": round(start_s, 3)}
         scorer = rewards.Scorer(rewards.RewardConfig(
             funcs=[f"{me}:reward_{kind}"], timeout_s=10.0, workers=workers,
             concurrency=args.concurrency))
         start_s = warm_up(scorer.worker, "", width)
         t = time.perf_counter()
-        scored = scorer.score(ro.texts, ro.examples)
+        scored = scorer.score(gen.texts, gen.examples)
         took = time.perf_counter() - t
         scorer.close()
-        assert scored["reward"] == [1.0] * len(ro.texts), scored["errors"]
+        assert scored["reward"] == [1.0] * len(gen.texts), scored["errors"]
         out["reward"][mode] = {"seconds": round(took, 4), "start_s": round(start_s, 3)}
     for part, key in (("env", "per_turn_s"), ("reward", "seconds")):
         serial = out[part]["serial"][key]

@@ -7,7 +7,8 @@ bytes and seconds, and the actor's and its optimizer's bytes per rank. Prints on
 Each way runs in fresh processes (--world ranks under torchrun): the actor built as the
 trainer builds it (fsdp_utils.build_actor, compute dtype --dtype), its AdamW state made by one
 step on zero gradients, an engine in --dtype beside it, and --pushes timed weight pushes
-(weight_sync.push: gather, cast, write into the engine), the median kept. full: every weight,
+(the engine's weights woken, weight_sync.load: gather, cast, write into the engine; its KV cache
+woken), the median kept. full: every weight,
 fp32 master copy and Adam's two fp32 moments for each. lora: adapters of --rank on every linear
 layer of the decoder (q, k, v, o, gate, up, down), the base frozen in the compute dtype, Adam's
 moments for the adapters only, and the push writes only them, in place. "actor_gb" and "optim_gb"
@@ -75,10 +76,13 @@ def measure(args) -> dict:
     seconds = []
     for _ in range(args.pushes + 1):  # the first one warms up (and registers an adapter)
         t = time.perf_counter()
-        stats = weight_sync.push(actor, engine)
+        engine.wake(["weights"])
+        sent = weight_sync.load(actor, engine)
+        engine.wake(["kv_cache"])
+        npu_ops.synchronize()
         seconds.append(time.perf_counter() - t)
         engine.generate([[1, 2, 3]], n=1)  # the engine uses what it got (a slot, the weights)
-    out.update(push_bytes=stats["bytes"], push_s=statistics.median(seconds[1:]))
+    out.update(push_bytes=sent, push_s=statistics.median(seconds[1:]))
     shut_down(engine)
     return out
 

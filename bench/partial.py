@@ -11,9 +11,9 @@ ways draw the same prompts in the same order, each sample with the same length, 
 random-init Qwen2 (hidden 128, 2 layers, 4k positions: bench/common.py) in fp32, one rank.
   off: each step generates its groups in one engine call (rollout.Engine.generate, a request a
        sample with its own length) and waits for the longest;
-  on:  partial.Carry with rollout.partial's --round-tokens and --oversample, the weights
-       version counted up each step as training would (no training here: generation alone is
-       timed; the version only tells stale tokens from fresh ones).
+  on:  partial.PartialRollout with rollout.partial's --round-tokens and --oversample, the
+       weights version counted up each step as training would (no training here: generation
+       alone is timed; the version only tells stale tokens from fresh ones).
 Reported per step, the first --warmup steps left out: generation seconds (mean), tokens written
 per second, and for `on` the samples and tokens carried to the next step, the share of trained
 tokens written in an earlier step (stale), staleness in steps (mean, max) and dropped samples.
@@ -56,8 +56,8 @@ def main():
     import npu_ops  # noqa: F401  (first: the platform environment before torch loads)
     import episodes
     import partial
+    import records
     import rollout
-    import tiny_task
     import train_grpo
     from common import random_qwen2, shut_down
     from transformers import AutoTokenizer
@@ -104,9 +104,10 @@ def main():
         f"--rollout.max_new_tokens={args.max_new}", "--rollout.partial.enabled=true",
         f"--rollout.partial.round_tokens={args.round_tokens}",
         f"--rollout.partial.oversample={args.oversample}",
-        f"--rollout.partial.max_staleness={args.steps}"])  # none dropped: all the work done
-    eps = episodes.Episodes(episodes.EnvConfig(), tok, False, "prompt", args.max_new)
-    start, started = eps.start, {}
+        f"--rollout.partial.max_staleness={args.steps}",  # none dropped: all the work done
+        "--rollout.seed_per_step=true", f"--rollout.seed={args.seed}"])  # each round seeded
+    runner = episodes.EpisodeRunner(episodes.EnvConfig(), tok, False, "prompt", args.max_new)
+    start, started = runner.start, {}
 
     def start_with_its_length(example):  # the j-th sample of the k-th prompt drawn
         e = start(example)
@@ -114,23 +115,22 @@ def main():
         e.limit = lengths(example["k"], G, args)[j]
         return e
 
-    def score(ro):  # no reward: every group kept, for the step to count
-        n = len(ro.samples)
-        ro.scores, ro.adv, ro.dropped = [0.0] * n, [0.0] * n, [False] * n
-        ro.constant, ro.keep = [False] * (n // G), [True] * (n // G)
-        return ro
+    def score(generated):  # no reward: every group kept, for the step to count
+        n = len(generated.samples)
+        return records.Rewards([0.0] * n, {}, [False] * n), [True] * (n // G)
 
-    eps.start = start_with_its_length
-    carry = partial.Carry(cfg, (0, 1), True,
-                          lambda k: {**examples[k % len(examples)], "k": k})
+    class Drawn:  # prompts[k]: the k-th prompt drawn, marked with k
+        def __getitem__(self, k):
+            return {**examples[k % len(examples)], "k": k}
+
+    runner.start = start_with_its_length
+    pr = partial.PartialRollout(cfg, rollout.EngineGroup(1), Drawn(), engine, runner, score)
     gen_s, tokens, rows = [], [], []
     for s in range(args.steps):
-        times = {"gen": 0.0, "reward": 0.0}
-        ro = carry.rollout(engine, eps, score, s, times, lambda r, s=s: s * 10_000 + r * 1000)
-        m = carry.metrics(ro.samples, s)
-        carry.commit()
+        ro = pr.collect(s + 1)  # the engine holds the weights of s steps trained
+        m = pr.metrics(ro.samples, s)
         assert all(len(x.response_ids) == len(x.versions) for x in ro.samples)
-        gen_s.append(times["gen"])
+        gen_s.append(ro.seconds["gen"])
         tokens.append(m["gen_tokens"].value)
         rows.append(m)
     on = summary(gen_s, tokens)

@@ -18,10 +18,11 @@ synced as for a rollout (the prefix cache emptied).
 The line holds the median over the steps after the first of each phase's seconds (rank 0's
 clock, from metrics.jsonl): generate, sync (wake, gather, load), reward, sleep, logprobs
 (old-policy and reference passes, when the variant has them), train (the update),
-switch_out/in (model.offload), and the step; then the floor, generate / floor, tokens per second
-(response tokens per engine; prompt + response tokens of the whole step per rank), the median
-engine/trainer logprob gap, and on accelerators the device memory that the engine's sleep and the
-context switch (switch_out) freed.
+offload_out/in (model.offload: the actor and its optimizer state to host memory and back), and
+the step; then the floor, generate / floor, tokens per second (response tokens per engine;
+prompt + response tokens of the whole step per rank), the median engine/trainer logprob gap, and
+on accelerators the device memory that the engine's sleep and the actor's move to host memory
+(actor_out) freed.
 """
 
 import argparse
@@ -38,33 +39,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
 import train_grpo  # noqa: E402
-import weight_sync  # noqa: E402
 from common import add_model_args, model_from_args  # noqa: E402
 from data import DataConfig  # noqa: E402
 from rewards import RewardConfig  # noqa: E402
 
-PHASES = ("generate", "floor", "sync", "reward", "sleep", "logprobs", "train", "switch_out",
-          "switch_in", "step")
+PHASES = ("generate", "floor", "sync", "reward", "sleep", "logprobs", "train", "offload_out",
+          "offload_in", "step")
 
 
 def floor(run, ro) -> dict:
-    """A bare LLM.generate of the rollout's prompts on the run's engine, woken and synced as for a
-    rollout (the actor and its optimizer state out of device memory meanwhile): its seconds and
-    response tokens. The engine sleeps again after."""
+    """A bare LLM.generate of the rollout's prompts on the run's engine, in the run's engine turn
+    as for a rollout (woken and synced, the actor and its optimizer state in host memory
+    meanwhile with model.offload): its seconds and response tokens. The engine sleeps again
+    after (leaving the turn)."""
     from vllm import SamplingParams
 
     r, G = run.cfg.rollout, run.cfg.grpo.group_size
     prompts = [{"prompt_token_ids": s.prompt_ids} for s in ro.samples[::G]]
     params = SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=r.max_new_tokens, ignore_eos=True)
-    with run.switch.engine_turn():  # the actor out of device memory as for a rollout
-        # wakes weights and KV cache; empties the prefix cache
-        weight_sync.push(run.actor, run.engine, before_weights=run.switch.optimizer_out,
-                         before_kv_cache=run.switch.actor_out)
+    with run.turn:  # wakes weights and KV cache around the push; empties the prefix cache
         t = time.perf_counter()
         outs = run.engine.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t
-        run.engine.sleep()
     return {"floor": seconds, "floor_tokens": sum(len(c.token_ids) for o in outs
                                                   for c in o.outputs),
             "tokens": sum(len(s.response_ids) for s in ro.samples)}
@@ -96,7 +93,7 @@ def summary(rows: list[dict], steps: list[dict], cfg, world: int) -> dict:
     rows, steps = rows[1:] or rows, steps[1:] or steps
     phase = {name: [] for name in PHASES}
     for row, s in zip(rows, steps):
-        for name in ("sync", "reward", "sleep", "logprobs", "train", "switch_out", "switch_in",
+        for name in ("sync", "reward", "sleep", "logprobs", "train", "offload_out", "offload_in",
                      "step"):
             phase[name].append(row.get(f"{name}_time_s", 0.0))
         phase["generate"].append(row["gen_time_s"])
@@ -119,7 +116,7 @@ def summary(rows: list[dict], steps: list[dict], cfg, world: int) -> dict:
            "step_tokens_per_s_per_rank": round(step_tokens / med["step"] / world),
            "logp_gap": statistics.median(r["logp_gap"] for r in rows)}
     last = rows[-1]
-    for event in ("sleep", "switch_out"):  # accelerators: device memory before - after
+    for event in ("sleep", "actor_out"):  # accelerators: device memory before - after
         if f"mem_{event}_before_gb" in last:
             out[f"mem_freed_by_{event}_gb"] = round(
                 last[f"mem_{event}_before_gb"] - last[f"mem_{event}_after_gb"], 2)
@@ -149,7 +146,7 @@ def main() -> None:
     with train_grpo.setup(cfg) as run:
         run.engine.ignore_eos = True  # bench-only: every response runs to max_new_tokens
         for _ in range(args.steps):
-            metrics, ro = train_grpo.train_step(run, return_rollout=True)
+            metrics, ro, _ = train_grpo.train_step(run, return_rollout=True)
             rows.append(metrics)
             steps.append(floor(run, ro))
         rank, world, cfg = run.rank, run.world, run.cfg  # the run's copy: the model's path

@@ -162,9 +162,12 @@ def bare_floor(path: str, plan: list, dtype, device, repeats: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # plain transformers' attention for the platform: its flash_attention_2 route where the
+    # trainer would take the fused kernel, sdpa elsewhere
+    fused = npu_ops.attention_implementation("auto") == npu_ops.FUSION_ATTENTION
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32,
-        attn_implementation=npu_ops.transformers_attention()).to(device)
+        attn_implementation="flash_attention_2" if fused else "sdpa").to(device)
     batches = []
     for batch in plan:
         ids = [t for s in batch for t in s.prompt_ids + s.response_ids]

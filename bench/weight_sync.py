@@ -5,9 +5,10 @@ one JSON line (rank 0).
     python bench/weight_sync.py                                 # world size 1
     torchrun --nproc_per_node 8 bench/weight_sync.py --shape qwen2.5-0.5b --dtype bfloat16
 
-push: `weight_sync.push` into the engine, as the trainer does it (wake, gather, cast, load into
-the engine's storage, prefix-cache reset), both ways of gathering (`rollout.sync_by`: one
-all-gather per tensor, and one per FSDP unit, the default); best of `--repeats` after one warm-up.
+push: an engine turn (`weight_sync.EngineTurn`, no offload) as the trainer takes it (wake,
+gather, cast, load into the engine's storage with `weight_sync.load`, prefix-cache reset, sleep),
+both ways of gathering (`rollout.sync_by`: one all-gather per tensor, and one per FSDP unit, the
+default); best of `--repeats` after one warm-up.
 floor, measured in the same run on the same process group: a bare all-gather of the same bytes
 (every rank's shard of every parameter, in one collective) plus one plain copy of all the bytes,
 what any push must at least do. ratio = push / floor (unit_ratio: the same for "unit").
@@ -47,11 +48,11 @@ def main() -> None:
     engine.sleep()
     actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=path, param_dtype=args.dtype),
                                    init_device_mesh(npu_ops.device_type(), (world,)))
-    sent = {}
+    turn = weight_sync.EngineTurn(actor, None, engine, offload_on=False)
 
     def push():
-        sent.update(weight_sync.push(actor, engine))
-        engine.sleep()
+        with turn:  # entering: wake, push; leaving: the engine asleep
+            pass
 
     engine.cfg.sync_by = "tensor"
     push_s = timed(push, args.repeats, min)
@@ -63,7 +64,8 @@ def main() -> None:
     shard = int(shard)
     local = torch.ones(shard, dtype=dtype, device=device)
     gathered = torch.empty(shard * world, dtype=dtype, device=device)
-    total = sent["bytes"] // dtype.itemsize
+    sent = round(turn.metrics()["sync_gb"] * 2**30)  # the bytes pushed
+    total = sent // dtype.itemsize
     src, dst = torch.ones(total, dtype=dtype, device=device), torch.empty(total, dtype=dtype,
                                                                           device=device)
 
@@ -76,8 +78,8 @@ def main() -> None:
         print(json.dumps({
             "device": npu_ops.device_type(), "world": world, "dtype": args.dtype,
             "params_m": round(sum(p.numel() for p in actor.parameters()) / 1e6, 1),
-            "gb": round(sent["bytes"] / 2**30, 3), "push_s": round(push_s, 3),
-            "push_gb_per_s": round(sent["bytes"] / 2**30 / push_s, 2),
+            "gb": round(sent / 2**30, 3), "push_s": round(push_s, 3),
+            "push_gb_per_s": round(sent / 2**30 / push_s, 2),
             "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2),
             "unit_s": round(unit_s, 3), "unit_ratio": round(unit_s / floor_s, 2)}), flush=True)
     shut_down(engine)

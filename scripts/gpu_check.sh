@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check the trainer on a machine with an NVIDIA GPU and vLLM, in about 10 minutes:
-#   1. the `gpu` tests (tests/test_gpu.py: memory given back by the switch and by sleep, the exact
-#      pinned host memory, engine == trainer after a bf16 sync, an update with no token to learn
+#   1. the `gpu` tests (tests/test_gpu.py: memory given back by the offload and by sleep, the
+#      exact pinned host memory, engine == trainer after a bf16 sync, an update with no token to learn
 #      from, a few steps that exit cleanly, steps after a Ctrl-C caught in a reward);
 #   2. the tiny task for 100 steps (configs/tiny_cpu.yaml);
 #   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses);
@@ -78,10 +78,10 @@ found["tests"] = ran["passed"] > 0 and not ran["skipped"]  # skipped: no GPU or 
 gpu = json_line(tests)
 lines.append(f"gpu tests: {', '.join(f'{n} {k}' for n, k in counts) or 'no result'}")
 if gpu:
-    lines.append(f"  switch out freed {gpu['freed_by_switch_gb']:.2f} GiB of "
+    lines.append(f"  offload out freed {gpu['freed_by_offload_gb']:.2f} GiB of "
                  f"{gpu['state_gb']:.2f} GiB params + optimizer state (pinned host "
                  f"{gpu['host_gb']:.2f} GiB; allocator: "
-                 f"{gpu['allocated_freed_by_switch_gb']:.2f}); sleep freed "
+                 f"{gpu['allocated_freed_by_offload_gb']:.2f}); sleep freed "
                  f"{gpu['freed_by_sleep_gb']:.2f} GiB (KV cache {gpu['kv_cache_gb']:.2f}); bf16 "
                  f"logp gap mean {gpu['logp_gap_mean']:.4f} max {gpu['logp_gap_max']:.4f} "
                  f"(bound {gpu['logp_gap_bound']:.4f})")
@@ -103,8 +103,8 @@ if bench:
     lines.append(f"bench 0.5B: step {sec['step']:.2f} s (" + ", ".join(
         f"{k} {v:.2f}" for k, v in sec.items() if k != "step") + f"); generate/floor "
         f"{bench['generate_over_floor']}, logp gap {bench['logp_gap']:.4f}, freed by sleep "
-        f"{bench.get('mem_freed_by_sleep_gb', 'n/a')} GiB, by the switch "
-        f"{bench.get('mem_freed_by_switch_out_gb', 'n/a')} GiB")
+        f"{bench.get('mem_freed_by_sleep_gb', 'n/a')} GiB, by the actor's offload "
+        f"{bench.get('mem_freed_by_actor_out_gb', 'n/a')} GiB")
 else:
     lines.append(f"bench 0.5B: exit {rc.get('bench', 'not run')}, no result")
 lora = metrics("lora")

@@ -6,7 +6,17 @@ import pytest
 
 import config
 from config import validate
-from train_grpo import Config, load_config
+from train_grpo import Config, load_config, resolve
+
+
+@pytest.fixture
+def tiny(tiny_task_dir):
+    """load_config of configs/tiny_cpu.yaml with `overrides`, resolved as setup() resolves it
+    (the built-in task's paths): what config.validate checks."""
+    def load(*overrides):
+        return resolve(load_config("configs/tiny_cpu.yaml",
+                                   [f"--data.tiny_task_dir={tiny_task_dir}", *overrides]))
+    return load
 
 
 def write(tmp_path, text):
@@ -73,8 +83,8 @@ def test_missing_file():
         load_config("nope.yaml")
 
 
-def test_shipped_config_loads():
-    cfg = load_config("configs/tiny_cpu.yaml")
+def test_shipped_config_loads(tiny):
+    cfg = tiny()
     validate(cfg, world_size=2)
     assert cfg.rollout.dtype == "float32" and cfg.rollout.kv_cache_memory_bytes > 0
 
@@ -116,22 +126,22 @@ def test_shipped_config_loads():
     ("--rollout.partial.stale=drop", 1, "rollout.partial.stale='drop'"),
     ("--rollout.partial.oversample=0.5", 1, "rollout.partial.oversample=0.5: must be >= 1"),
 ])
-def test_derived_constraints(override, world, message):
-    cfg = load_config("configs/tiny_cpu.yaml", override.split())
+def test_derived_constraints(override, world, message, tiny):
+    cfg = tiny(*override.split())
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(cfg, world)
 
 
-def test_model_path_and_out_dir_are_checked_before_loading(tmp_path):
+def test_model_path_and_out_dir_are_checked_before_loading(tmp_path, tiny):
     (tmp_path / "not_a_model").mkdir()
     (tmp_path / "a_file").write_text("x")
     cfg = load_config(None, [f"--model.path={tmp_path / 'not_a_model'}"])
     with pytest.raises(ValueError, match="has no config.json: not a Hugging Face model directory"):
         validate(cfg, 1)
-    cfg = load_config("configs/tiny_cpu.yaml", [f"--log.out_dir={tmp_path / 'a_file'}"])
+    cfg = tiny(f"--log.out_dir={tmp_path / 'a_file'}")
     with pytest.raises(ValueError, match="log.out_dir=.* is a file"):
         validate(cfg, 1)
-    cfg = load_config("configs/tiny_cpu.yaml", [f"--log.out_dir={tmp_path / 'a_file' / 'run'}"])
+    cfg = tiny(f"--log.out_dir={tmp_path / 'a_file' / 'run'}")
     with pytest.raises(ValueError, match="log.out_dir=.* cannot be written"):
         validate(cfg, 1)
 
@@ -173,7 +183,7 @@ def test_shipped_accelerator_configs_are_consistent(path, world, tmp_path):
         assert cfg.model.reshard_after_forward  # ZeRO-3 at 7B and up
 
 
-def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
+def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path, tiny):
     """validate() consults npu_ops on an Ascend install: a bad env stops the run at once."""
     import npu_ops
 
@@ -183,23 +193,23 @@ def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path):
                         lambda: {"vllm": "0.18.0", "vllm-ascend": "0.18.0", "torch-npu": "2.9.0"})
     monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
-    cfg = load_config("configs/tiny_cpu.yaml", ["--rollout.enforce_eager=false"])
+    cfg = tiny("--rollout.enforce_eager=false")
     with pytest.raises(ValueError, match="TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false"):
         validate(cfg, 2)
-    validate(load_config("configs/tiny_cpu.yaml"), 2)  # eager mode: level 2 is fine
+    validate(tiny(), 2)  # eager mode: level 2 is fine
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
     with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=1: .*wake_up raises"):
-        validate(load_config("configs/tiny_cpu.yaml"), 2)
+        validate(tiny(), 2)
 
 
 @pytest.mark.parametrize("override", ["--rollout.temperature=0.7", "--rollout.top_p=0.9"])
-def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override):
+def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override, tiny):
     """vLLM-Ascend returns raw-logit logprobs: temperature != 1 or top_p < 1 would make the
     mismatch correction compare the wrong distributions, so validate() stops the run. Elsewhere
     (vLLM's processed_logprobs) the same config is fine."""
     import npu_ops
 
-    cfg = load_config("configs/tiny_cpu.yaml", [override])
+    cfg = tiny(override)
     validate(cfg, 2)  # CPU: vLLM honours logprobs_mode
     monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
     monkeypatch.setattr(npu_ops.ascend_checks, "installed_versions",
@@ -300,7 +310,7 @@ def test_every_field_has_a_domain_and_refuses_values_outside_it(tiny_task_dir):
     import functools
     import typing
 
-    base = load_config("configs/tiny_cpu.yaml", [f"--data.tiny_task_dir={tiny_task_dir}"])
+    base = resolve(load_config("configs/tiny_cpu.yaml", [f"--data.tiny_task_dir={tiny_task_dir}"]))
     validate(base, 1)  # the shipped values lie inside every domain
     tried, walked = 0, 0
     def section(cfg, path):  # rollout.partial -> cfg.rollout.partial

@@ -127,17 +127,17 @@ cfg = load_config("configs/tiny_cpu.yaml", {args!r} + ["--log.out_dir={tmp_path 
 G, rewards = cfg.grpo.group_size, []
 with setup(cfg) as run:
     for step in range(3):
-        metrics, ro = train_step(run, return_rollout=True)
+        metrics, ro, scored = train_step(run, return_rollout=True)
         n = cfg.grpo.prompts_per_step * G
-        assert len(ro.samples) == len(ro.texts) == len(ro.scores) == len(ro.adv) == n
-        assert len(ro.examples) == n and len(ro.keep) == len(ro.constant) == n // G
-        assert ro.trained == list(range(n)) and ro.rounds == 1
+        assert len(ro.samples) == len(ro.texts) == len(ro.rewards) == len(scored.adv) == n
+        assert len(ro.examples) == n and len(ro.keep) == len(scored.constant) == n // G
+        assert scored.trained == list(range(n)) and ro.rounds == 1
         assert all(0 < len(s.response_ids) <= cfg.rollout.max_new_tokens for s in ro.samples)
         assert all(len(s.logp) == len(s.response_ids) for s in ro.samples)
-        want = grpo.group_advantages(torch.tensor(ro.scores, dtype=torch.float64), G)
-        assert torch.equal(torch.tensor(ro.adv, dtype=torch.float64), want)
+        want = grpo.group_advantages(torch.tensor(ro.rewards, dtype=torch.float64), G)
+        assert torch.equal(torch.tensor(scored.adv, dtype=torch.float64), want)
         assert metrics["step"] == step + 1 and "grad_norm" in metrics
-        assert metrics["reward_mean"] == sum(ro.scores) / n
+        assert metrics["reward_mean"] == sum(ro.rewards) / n
         rewards.append(metrics["reward_mean"])
     assert run.step == 3
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Episodes (episodes.py) with a scripted engine: what each turn is prompted with, which tokens
+"""Episodes (episodes.EpisodeRunner) with a scripted engine: what each turn is prompted with, which tokens
 are the model's, the limits, and environments that hang or raise; the built-in environments.
 (Chat templates: test_templates.py.)"""
 
@@ -70,12 +70,12 @@ def env_file(tmp_path):
 
 
 def run(env_spec, engine, batch, n=1, **cfg):
-    eps = episodes.Episodes(episodes.EnvConfig(name=env_spec, **cfg), CharTokenizer(), False,
-                            "prompt", 8)
+    runner = episodes.EpisodeRunner(episodes.EnvConfig(name=env_spec, **cfg), CharTokenizer(),
+                                    False, "prompt", 8)
     try:
-        return eps.run(engine, batch, n)
+        return runner.run(engine, batch, n)
     finally:
-        eps.close()
+        runner.close()
 
 
 def test_turns_see_their_history_and_the_mask_marks_the_model(env_file):
@@ -118,7 +118,7 @@ def test_an_environment_that_hangs_or_raises_ends_its_episode_only(env_file):
              example("0+7=")]
     ro = run(env_file, engine, batch, max_turns=2, timeout_s=1.0)
     assert ro.failed == [False, True, True, False]
-    assert ro.env_timeouts == 1 and ro.env_errors == 1
+    assert ro.env.timeouts == 1 and ro.env.errors == 1
     assert ro.turns == [2, 1, 1, 2] and ro.texts == ["7", "5", "5", "7"]
 
 

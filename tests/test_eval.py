@@ -1,14 +1,17 @@
 """Eval numbers against a hand count: pass@1 over greedy answers, mean@k over sampled ones."""
 
+import types
+
 import torch.distributed as dist
 
 import episodes
-import offload
+import evaluation
 import rewards
+import rollout
 import tiny_task
+import weight_sync
 from records import Sample
 from rollout import RolloutConfig
-import evaluation
 
 
 class ScriptedEngine:
@@ -51,11 +54,13 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
                    ["9", "1", "2"]]  # right: 2, 2, 3, 0, 1 of 3 each: mean@3 = 8/15
         engine = ScriptedEngine(greedy, sampled)
         actor = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
-        one_turn = episodes.Episodes(episodes.EnvConfig(), BytesTokenizer(), False, "prompt", 4)
+        one_turn = episodes.EpisodeRunner(episodes.EnvConfig(), BytesTokenizer(), False,
+                                          "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
-            switch = offload.Switch(actor, None, engine, enabled=False)
-            scores, (part, texts, per_example) = evaluation.run(switch, examples, scorer,
-                                                                one_turn, 0, 1, k=3)
+            turn = weight_sync.EngineTurn(actor, None, engine, offload_on=False)
+            sampler = types.SimpleNamespace(engine=engine, runner=one_turn, scorer=scorer,
+                                            group=rollout.EngineGroup(1))
+            scores, (part, texts, per_example) = evaluation.run(turn, sampler, examples, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after

@@ -3,8 +3,8 @@
 On tiny Qwen2 and Qwen3 models in fp32, under every loss aggregation, mismatch correction and KL
 estimator, on- and off-policy, at temperatures 0.7 and 1: grpo.accumulate_gradients (packed
 micro-batches, 5 output rows per chunk, gradients produced in the forward) against transformers'
-own logits of a padded batch fed to grpo.token_logprobs, grpo_loss and masked_entropy_sum,
-differentiated by autograd: in fp64 the loss, every logprob, the entropy and the gradient of
+own logits of a padded batch fed to the plain statements of tests/reference.py (token_logprobs,
+padded_loss, masked_entropy_sum), differentiated by autograd: in fp64 the loss, every logprob, the entropy and the gradient of
 every weight within 1e-6 relative (the same arithmetic); in fp32 within 1e-5 (rounding alone);
 the clip count exactly. The tolerances are derived next to the assertions. Multi-turn samples
 (environment replies inside the response) against the same statement with their masks applied
@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import logprobs
+import reference
 from test_packing import model_for, varied_samples, world_of_one  # noqa: F401 (fixture)
 
 # (loss_agg, clip_low, clip_high, kl_coef, kl_estimator, is_correction, on_policy, temperature)
@@ -46,12 +47,10 @@ def rel(a, b):
 def hf_logits(model, samples):
     """transformers' own (sdpa, padded batch) logits on the same weights: (n, T-1, V), targets,
     mask, and the engine logp, padded."""
-    import logprobs
-
     twin = AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
                                             attn_implementation="sdpa")
     twin.to(next(model.parameters()).dtype).load_state_dict(model.state_dict())
-    ids, attn, targets, mask, pt = logprobs.pad_batch(samples, 0)
+    ids, attn, targets, mask, pt = reference.pad_batch(samples, 0)
     return twin, twin(input_ids=ids, attention_mask=attn).logits[:, :-1], targets, mask, pt
 
 
@@ -84,8 +83,6 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
     the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
     samples are multi-turn episodes, and the unfused statement applies their masks by hand."""
-    import logprobs
-
     agg, low, high, kl, est, mode, on_policy, temp = variant
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
@@ -96,7 +93,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
-    lp = grpo.token_logprobs(logits, targets, temp)  # (n, T-1)
+    lp = reference.token_logprobs(logits, targets, temp)  # (n, T-1)
     m = mask.bool()
 
     def near(scale):  # per-sample lists near the true logp: ratios on both sides of the clip
@@ -113,20 +110,20 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     fused = {"loss": stats["loss"], "entropy": stats["entropy"], "clipped": stats["clipped"],
              "logp": torch.cat(logps), **{n: p.grad for n, p in model.named_parameters()}}
 
-    pad = lambda lists: logprobs.pad_batch(  # noqa: E731
+    pad = lambda lists: reference.pad_batch(  # noqa: E731
         samples, 0, {"x": lists})[4]["x"].to(dtype)
     old_pad = lp.detach() if on_policy else pad(old)
     w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), hand, mode, g.is_cap)
-    loss, clipped = grpo.grpo_loss(lp, old_pad, adv.to(dtype), hand.to(dtype), g,
-                                   float(hand.sum()), float(len(samples)), 64, w,
-                                   pad(ref) if kl else None)
+    loss, clipped = reference.padded_loss(lp, old_pad, adv.to(dtype), hand.to(dtype), g,
+                                          float(hand.sum()), float(len(samples)), 64, w,
+                                          pad(ref) if kl else None)
     loss.backward()
-    terms = grpo.token_terms(lp.detach(), old_pad, adv.to(dtype)[:, None], g, w,
-                             pad(ref) if kl else None)[0]
+    terms = reference.padded_terms(lp.detach(), old_pad, adv.to(dtype), g, w,
+                                   pad(ref) if kl else None)[0]
     scale = (terms * grpo.loss_weights(hand.to(dtype), g, float(hand.sum()), float(len(samples)),
                                        64)).abs().sum()  # the size of the loss's terms
     unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
-               "entropy": grpo.masked_entropy_sum(logits.detach() / temp, hand),
+               "entropy": reference.masked_entropy_sum(logits.detach() / temp, hand),
                **{n: p.grad for n, p in twin.named_parameters()}}
     return fused, unfused, w[hand.bool()], scale
 
@@ -321,3 +318,37 @@ def test_fsdp_param_groups_reads_both_torch_layouts():
     assert logprobs.fsdp_param_groups(unit(new)) == [group, group]
     assert logprobs.fsdp_param_groups(unit(old)) == [group]
     assert logprobs.fsdp_param_groups(unit(old_empty)) == []
+
+
+def test_the_loss_the_docs_name_is_the_loss_that_trains(world_of_one, monkeypatch):
+    """grpo.py's docstring and the README say: to try a new loss, edit grpo.grpo_loss. Wrapped
+    so that its loss is multiplied by a factor, the update that train_step runs (grpo.update)
+    follows: times 0, a zero gradient and every weight as it was; times 2, twice the gradient
+    norm. It is called on every response token once, chunk by chunk."""
+    samples, real, calls = varied_samples(4), grpo.grpo_loss, []
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, 0.8])
+
+    def update(factor):
+        def wrapped(logp, t, cfg):
+            calls.append(logp.numel())
+            loss, clipped = real(logp, t, cfg)
+            return factor * loss, clipped
+
+        monkeypatch.setattr(grpo, "grpo_loss", wrapped)
+        torch.manual_seed(0)  # model_for perturbs the norms with the global generator
+        model, calls[:] = model_for("qwen2"), []
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        m = grpo.update(model, None, opt, samples,
+                        adv, grpo.GRPOConfig(logprob_chunk=5), pad_id=0, device="cpu", seed=0,
+                        temperature=1.0, max_len=64, grad_clip=0.0)
+        moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
+        return m["grad_norm"], moved, list(calls)
+
+    norm, moved, chunks = update(1.0)
+    assert sum(chunks) == sum(len(s.response_ids) for s in samples) and max(chunks) <= 5
+    assert norm > 0 and moved > 0
+    assert update(0.0)[:2] == (0.0, 0.0)
+    # a factor of 2 scales every gradient exactly (a power of two commutes with rounding); the
+    # norm's sum of squares may add in another order: 1e-6 of it is left for that
+    assert abs(update(2.0)[0] - 2 * norm) <= 1e-6 * norm

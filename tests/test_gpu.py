@@ -28,7 +28,7 @@ def model_dir():
     return random_qwen2(hidden=1024, layers=8, rank=0)
 
 
-def test_switch_frees_the_actor_sleep_frees_the_kv_cache_bf16_sync_matches(model_dir):
+def test_offload_frees_the_actor_sleep_frees_the_kv_cache_bf16_sync_matches(model_dir):
     out = launch(["tests/workers/gpu_checks.py", model_dir], nproc=1)
     assert "GPU_CHECKS_OK" in out, out[-4000:]
     print(next(line for line in out.splitlines() if line.startswith("{")))
@@ -48,18 +48,19 @@ def test_few_steps_exit_cleanly(tmp_path):
     assert "CUDA Error" not in out and "CUDA error" not in out, out[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # model.offload auto: on with sleep. The pinned host memory is the parked bytes exactly (no
+    # model.offload auto: on with sleep. The pinned host memory is the copied bytes exactly (no
     # power-of-two rounding by the pinned allocator: offload.HostArena), the same every step
-    parked = rows[-1]["offload_host_gb"]
-    assert parked > 0 and all(r["offload_host_gb"] == parked for r in rows[1:])
-    freed = rows[-1]["mem_switch_out_before_gb"] - rows[-1]["mem_switch_out_after_gb"]
+    copied = rows[-1]["offload_host_gb"]
+    assert copied > 0 and all(r["offload_host_gb"] == copied for r in rows[1:])
+    freed = rows[-1]["mem_actor_out_before_gb"] - rows[-1]["mem_actor_out_after_gb"]
     assert freed > 0, rows[-1]
 
 
 def test_a_step_after_a_caught_ctrl_c(tmp_path):
     """Ctrl-C in a reward, caught, with the offload on and a reference, on one GPU: the next
-    steps run (before the switch was guarded, the actor stayed parked and the next step read
-    freed memory), and the engine still agrees with the trainer after the next syncs."""
+    steps run (before the engine's turn was guarded, the actor stayed in host memory and the
+    next step read freed memory), and the engine still agrees with the trainer after the next
+    syncs."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "tests/workers/caught_error.py", "tiny", "reward",
                            str(tmp_path / "task"), str(tmp_path / "run"), str(tmp_path / "last")],

@@ -1,4 +1,5 @@
-"""GRPO math against hand-computed numbers and plain Python loops."""
+"""GRPO math against hand-computed numbers and plain Python loops. The loss is grpo.grpo_loss,
+the function training calls, on padded (N, T) cases flattened to its per-token inputs."""
 
 import math
 import statistics
@@ -6,12 +7,40 @@ import statistics
 import pytest
 import torch
 
+import grpo
 import tracking
-from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, grpo_loss,
-                  kl_penalty, masked_entropy_sum, mismatch_stats, mismatch_weights,
-                  overlong_penalty, split_mini_batches, take_groups, token_logprobs)
-from logprobs import pad_batch, plan_micro_batches
+from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, kl_penalty,
+                  mismatch_stats, mismatch_weights, overlong_penalty, split_mini_batches,
+                  take_groups)
+from logprobs import plan_micro_batches
 from records import Sample
+from reference import masked_entropy_sum, pad_batch, token_logprobs
+
+
+def tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=None, ref_logp=None):
+    """grpo.Tokens of a padded (N, T) case, flattened: every position a token, the padding's
+    weight (grpo.loss_weights) 0; no mismatch weight is weight 1."""
+    N, T = mask.shape
+    return grpo.Tokens(
+        adv=adv[:, None].expand(N, T).reshape(-1),
+        coef=grpo.loss_weights(mask, g, n_tokens, n_seqs, max_len).reshape(-1),
+        written=mask.reshape(-1), engine=torch.zeros(N * T, dtype=mask.dtype),
+        old=old.reshape(-1), is_weight=(torch.ones_like(mask) if is_weight is None
+                                        else is_weight).reshape(-1),
+        ref=None if ref_logp is None else ref_logp.reshape(-1))
+
+
+def grpo_loss(logp, old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=None,
+              ref_logp=None):
+    """grpo.grpo_loss on the flattened case: the loss, and per position (N, T) whether the clip
+    was active there (its count, one token at a time)."""
+    t = tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight, ref_logp)
+    flat = logp.reshape(-1)
+    loss, count = grpo.grpo_loss(flat, t, g)
+    each = torch.stack([grpo.grpo_loss(flat[k:k + 1].detach(), t[k:k + 1], g)[1]
+                        for k in range(flat.numel())])
+    assert each.sum() == count
+    return loss, each.view(mask.shape).bool()
 
 
 def test_advantages_hand_computed():

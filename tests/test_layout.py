@@ -1,4 +1,5 @@
-"""The shape of the codebase: the import DAG, and which file may touch vllm, torch_npu, FSDP."""
+"""The shape of the codebase: the import DAG, which file may touch vllm, torch_npu, FSDP, how long
+a unit may grow, and that the product modules hold no code that only tests call."""
 
 import ast
 import glob
@@ -15,30 +16,34 @@ pytestmark = pytest.mark.main_only  # the code's shape: no library version enter
 
 # file -> project modules it may import (README's Files table; tiny_task is the built-in task)
 ALLOWED = {
-    "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(), "tiny_task": set(),
-    "rewards": {"plugins", "domains"}, "data": {"config", "domains"}, "tracking": {"domains"},
-    "offload": {"npu_ops"},  # the actor parked in host memory, the guarded switch
+    "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
+    "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
+    "rewards": {"plugins", "domains"}, "data": {"config", "domains", "plugins"},
+    "tracking": {"domains"},
+    "offload": {"npu_ops"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
     "fsdp_utils": {"npu_ops", "offload", "domains", "kernels"}, "checkpoint": {"npu_ops"},
-    "records": {"tracking"},  # what a rollout produced: Sample, Rollout
-    # carried groups across steps (and its config section, which rollout's holds)
-    "partial": {"records", "domains", "tracking"},
-    "rollout": {"npu_ops", "records", "partial", "domains", "checkpoint", "tracking"},
-    "evaluation": {"tracking", "weight_sync"},  # held-out pass@1 and mean@k
-    "weight_sync": {"npu_ops", "fsdp_utils"},
+    "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
+    "rollout": {"npu_ops", "records", "domains", "checkpoint"},  # the engine, engine groups
+    "partial": {"records", "rollout", "tracking"},  # carried groups across steps
+    "weight_sync": {"npu_ops", "fsdp_utils", "offload"},  # the push, the engine's turn
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
-    "sandbox": set(),  # the Python tool's confined child
-    "sandbox_child": set(),  # its program, run as a file with isolated flags
     "envs": {"plugins", "sandbox"},
-    "episodes": {"envs", "plugins", "records", "sandbox", "domains"},
+    "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
+    "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
+    "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
                "fsdp_utils"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains", "records", "partial", "evaluation"},
+                   "domains", "records", "partial", "evaluation", "sampler"},
 }
+
+# A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.
+# Size follows concern for files: a file may grow where that is its one concern.
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 200
 
 
 def top_level_files():
@@ -98,8 +103,34 @@ def test_nothing_runs_at_import():
     assert out.stdout == ""
 
 
-def test_no_project_file_over_450_lines():
-    """One file, one thing: past ~450 lines a file holds two."""
-    long = {os.path.basename(p): n for p in top_level_files()
-            if (n := len(open(p).read().splitlines())) > 450}
+def test_units_stay_short():
+    """Every function (method included) of a product module at most MAX_FUNCTION_LINES lines,
+    every class at most MAX_CLASS_LINES, docstrings and comments counted."""
+    long = []
+    for path in top_level_files():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                cap = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                if (n := node.end_lineno - node.lineno + 1) > cap:
+                    long.append(f"{os.path.basename(path)}:{node.lineno} {node.name} ({n})")
     assert not long, long
+
+
+def test_no_product_function_only_tests_call():
+    """Every function a product module defines is named somewhere in the product modules
+    outside its own definition (called, passed, or registered): a function only tests or
+    benches call belongs in tests/ (tests/reference.py) or the bench. Names are matched alone,
+    whatever their module: a collision can hide one, never invent one."""
+    defined, named = {}, set()
+    for path in top_level_files():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.setdefault(node.name, os.path.basename(path))
+            elif isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                named.add(node.attr)
+    unused = {name: path for name, path in defined.items()
+              if name not in named and not name.startswith("__")}
+    assert not unused, unused
+

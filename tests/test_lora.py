@@ -34,7 +34,7 @@ def samples(n=6, seed=0):
 def train_steps(model, opt, steps=2, kl=0.0):
     g = grpo.GRPOConfig(kl_coef=kl)
     for s in range(steps):
-        grpo.train_on_rollout(model, model if kl else None, opt, samples(seed=s),
+        grpo.update(model, model if kl else None, opt, samples(seed=s),
                               torch.linspace(-1, 1, 6), g, pad_id=0, device="cpu", seed=s,
                               temperature=1.0, max_len=8, grad_clip=1.0)
 
@@ -126,7 +126,7 @@ def test_every_loss_variant_trains_the_adapters_only(tiny_task_dir, variant):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = grpo.GRPOConfig(**variant)
     for s in range(2):
-        out = grpo.train_on_rollout(model, model if g.kl_coef else None, opt, samples(seed=s),
+        out = grpo.update(model, model if g.kl_coef else None, opt, samples(seed=s),
                                     torch.linspace(-1, 1, 6), g, pad_id=0, device="cpu", seed=s,
                                     temperature=0.7, max_len=8, grad_clip=1.0)
         assert torch.isfinite(torch.tensor(out["grad_norm"])) and out["grad_norm"] > 0

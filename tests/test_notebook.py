@@ -93,13 +93,14 @@ train_step(run)  # the open run is unharmed
 # no token to learn from on any rank: dynamic sampling drops every group (all rewards equal)
 import rewards, torch
 before = [p.detach().clone() for p in run.actor.parameters()]
-run.scorer.close()
-run.scorer = rewards.Scorer(rewards.RewardConfig(funcs=["tests/workers/interrupting.py:nothing"]))
+run.sampler.scorer.close()
+run.sampler.scorer = rewards.Scorer(rewards.RewardConfig(
+    funcs=["tests/workers/interrupting.py:nothing"]))
 run.cfg.grpo.dynamic_sampling = True
 m = train_step(run)
 assert m["groups_trained"] == 0 and m["samples_trained"] == 0 and m["grad_norm"] == 0.0, m
 assert all(torch.equal(p, b) for p, b in zip(run.actor.parameters(), before))
-scorer, engine = run.scorer, run.engine
+scorer, engine = run.sampler.scorer, run.engine
 procs = [w.proc for w in scorer.worker._plain + scorer.worker._async]
 assert procs and all(p.is_alive() for p in procs), "the step ran no reward worker"
 

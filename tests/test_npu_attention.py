@@ -15,9 +15,9 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 import fsdp_utils
-import kernels
 import logprobs
 import npu_ops
+import reference
 import tiny_task
 from records import Sample
 
@@ -28,7 +28,7 @@ def rel(a, b):
 
 class StandInFusionAttention:
     """npu_fusion_attention's documented arguments (op-plugin docs), checked on every call, the
-    numbers from kernels.fusion_attention_reference."""
+    numbers from reference.fusion_attention_reference."""
 
     def __init__(self):
         self.masks, self.layouts = [], []
@@ -46,7 +46,7 @@ class StandInFusionAttention:
             assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
         self.masks.append(atten_mask)
         self.layouts.append(input_layout)
-        return kernels.fusion_attention_reference(
+        return reference.fusion_attention_reference(
             query, key, value, head_num, input_layout, atten_mask=atten_mask, scale=scale,
             keep_prob=keep_prob, sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen,
             actual_seq_kvlen=actual_seq_kvlen)
@@ -54,13 +54,13 @@ class StandInFusionAttention:
 
 @pytest.fixture
 def standin():
-    npu_ops.KERNELS = StandInFusionAttention()
-    yield npu_ops.KERNELS
-    npu_ops.KERNELS = None
+    npu_ops.STAND_IN = StandInFusionAttention()
+    yield npu_ops.STAND_IN
+    npu_ops.STAND_IN = None
 
 
 def test_reference_equals_sdpa_on_a_packed_row():
-    """kernels.fusion_attention_reference in TND (samples end to end, grouped-query heads) equals
+    """reference.fusion_attention_reference in TND (samples end to end, grouped-query heads) equals
     torch's SDPA run causally on each sample alone."""
     g = torch.Generator().manual_seed(0)
     lengths, heads, kv_heads, dim = [1, 7, 33, 4, 60], 4, 2, 32
@@ -68,7 +68,7 @@ def test_reference_equals_sdpa_on_a_packed_row():
     q, k, v = (torch.randn(T, n, dim, generator=g) for n in (heads, kv_heads, kv_heads))
     ends = torch.tensor(lengths).cumsum(0).tolist()
     mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
-    got = kernels.fusion_attention_reference(q, k, v, heads, "TND", atten_mask=mask, scale=0.2,
+    got = reference.fusion_attention_reference(q, k, v, heads, "TND", atten_mask=mask, scale=0.2,
                                              sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]
     start = 0

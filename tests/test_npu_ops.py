@@ -55,7 +55,7 @@ def restore_rotary():
     yield
     for module, fn in saved:
         module.apply_rotary_pos_emb = fn
-    npu_ops.KERNELS = None
+    npu_ops.STAND_IN = None
 
 
 def forward_backward(model, ids):
@@ -79,7 +79,7 @@ def test_patched_model_equals_transformers(arch, path, restore_rotary):
 
     patched = copy.deepcopy(model)
     standin = StandInTorchNpu()
-    npu_ops.KERNELS = standin
+    npu_ops.STAND_IN = standin
     report = kernels.patch_qwen(patched, path)
     got_logits, got_grads = forward_backward(patched, ids)
 
@@ -101,7 +101,7 @@ def test_fused_path_in_bf16_matches_reference(restore_rotary):
     model = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3").to(torch.bfloat16)
     ids = torch.randint(0, 15, (2, 7))
     want = model(input_ids=ids).logits
-    npu_ops.KERNELS = StandInTorchNpu()
+    npu_ops.STAND_IN = StandInTorchNpu()
     kernels.patch_qwen(model, "fused")
     assert torch.allclose(model(input_ids=ids).logits, want, atol=3e-2)
 
@@ -131,7 +131,7 @@ def test_auto_kernels_leave_other_families_alone_on_npu(monkeypatch, restore_rot
     from transformers import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
-    standin = npu_ops.KERNELS = StandInTorchNpu()
+    standin = npu_ops.STAND_IN = StandInTorchNpu()
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=2))

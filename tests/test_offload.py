@@ -1,11 +1,14 @@
-"""offload.py on one process: the host arena's exact size, a park's round trip across chunk
-boundaries, the switch that restores everything whatever raised, the host memory check.
-(2 ranks with FSDP2, a reference and ZeRO-2: tests/workers/offload_parity.py, via test_fsdp.)"""
+"""offload.py on one process: the host arena's exact size, a round trip to host memory across
+chunk boundaries, the engine's turn (weight_sync.EngineTurn) that restores everything whatever
+raised, the host memory check. (2 ranks with FSDP2, a reference and ZeRO-2:
+tests/workers/offload_parity.py, via test_fsdp.)"""
 
 import pytest
 import torch
 
 import offload
+import weight_sync
+from rollout import RolloutConfig
 
 
 def test_power_of_two_parts_add_up_exactly():
@@ -31,8 +34,19 @@ class Odd(torch.nn.Module):
 
 
 class FakeEngine:
-    def __init__(self):
-        self.awake, self.sleeps = True, 0
+    """What the engine's turn asks of an engine, raising Ctrl-C where `fail` says."""
+
+    def __init__(self, fail: str):
+        self.cfg, self.lora, self.fail = RolloutConfig(), None, fail
+        self.awake, self.sleeps = False, 0
+
+    def wake(self, tags):
+        if self.fail == f"wake {tags[0]}":
+            raise KeyboardInterrupt
+        self.awake = True
+
+    def load_weights(self, pairs):
+        pass
 
     def sleep(self):
         self.awake, self.sleeps = False, self.sleeps + 1
@@ -42,27 +56,30 @@ def storages(model):
     return [t.untyped_storage() for t in [*model.parameters(), *model.buffers()]]
 
 
-def test_a_park_round_trip_is_exact_in_memory_of_exactly_its_size():
-    model, park = Odd(), offload.HostPark()
+def test_a_round_trip_is_exact_in_host_memory_of_exactly_its_size():
+    model, copy = Odd(), offload.HostCopy()
     want = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
     total = sum(s.nbytes() for s in storages(model))  # 42 + 4004 + 13 bytes
     assert total == 4059
     for _ in range(3):
-        park.out(model)
+        copy.to_host(model)
         assert all(s.nbytes() == 0 for s in storages(model))
-        assert park.parked_bytes == park.host_bytes == total
-        assert len(park.arena.chunks) == bin(total).count("1")  # tensors straddle chunks
-        with pytest.raises(RuntimeError, match="parked"):
-            model(torch.ones(1))  # a parked model refuses to run
-        park.back()
+        assert sum(copy.layout) == copy.host_bytes == total
+        assert len(copy.arena.chunks) == bin(total).count("1")  # tensors straddle chunks
+        with pytest.raises(RuntimeError, match="host memory"):
+            model(torch.ones(1))  # a model whose weights are on the host refuses to run
+        copy.to_device()
         got = [*model.parameters(), *model.buffers()]
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert model(torch.ones(1)).shape == (1,)
-    assert park.allocations == 1
+    assert copy.allocations == 1
 
 
-@pytest.mark.parametrize("where", ["before the moves", "between the moves", "after the moves"])
+@pytest.mark.parametrize("where", ["wake weights", "wake kv_cache", "in the turn"])
 def test_leaving_the_engine_turn_restores_everything_whatever_raised(where):
+    """Ctrl-C when the engine's weights wake (the optimizer state already on the host), when its
+    KV cache wakes (the actor too), or inside the turn: the engine asleep, and the actor and its
+    optimizer state back on the device, bit for bit, the model runnable again."""
     model = Odd()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1)).sum().backward()
@@ -71,26 +88,23 @@ def test_leaving_the_engine_turn_restores_everything_whatever_raised(where):
     tensors = lambda: [*model.parameters(), *model.buffers(),  # noqa: E731
                        *(v for s in opt.state.values() for v in s.values())]
     want = [t.detach().clone() for t in tensors()]
-    engine = FakeEngine()
-    switch = offload.Switch(model, opt, engine, enabled=True)
+    engine = FakeEngine(where)
+    turn = weight_sync.EngineTurn(model, opt, engine, offload_on=True)
     with pytest.raises(KeyboardInterrupt):
-        with switch.engine_turn():
-            if where != "before the moves":
-                switch.optimizer_out()
-            if where == "after the moves":
-                switch.actor_out()
-                assert all(t.untyped_storage().nbytes() == 0 for t in tensors())
+        with turn:
+            assert all(t.untyped_storage().nbytes() == 0 for t in tensors())
             raise KeyboardInterrupt
     assert engine.sleeps == 1 and not engine.awake
     assert all(torch.equal(t, w) for t, w in zip(tensors(), want))
     assert model(torch.ones(1)).shape == (1,)  # the guard is gone
-    assert not switch.params.away and not switch.state.away
-    if where == "after the moves":
-        assert {"switch_out_time_s", "switch_in_time_s", "offload_host_gb"} <= set(
-            switch.metrics())
-        assert switch.metrics()["offload_host_gb"] * 2**30 == switch.params.host_bytes + (
-            switch.state.host_bytes) == sum({t.untyped_storage().data_ptr(): t.untyped_storage(
-                ).nbytes() for t in tensors()}.values())
+    assert not turn.params.away and not turn.state.away
+    metrics = turn.metrics()
+    assert {"offload_out_time_s", "offload_in_time_s", "offload_host_gb"} <= set(metrics)
+    held = turn.params.host_bytes + turn.state.host_bytes
+    assert metrics["offload_host_gb"] * 2**30 == held
+    if where != "wake weights":  # both moves out happened: every storage has its host copy
+        assert held == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in tensors()}.values())
 
 
 def test_host_memory_check(tiny_models):

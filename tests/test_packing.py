@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import fsdp_utils
 import grpo
 import logprobs
+import reference
 import tiny_task
 from records import Sample
 
@@ -101,7 +102,7 @@ def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     monkeypatch.setattr(logprobs, "_logits",
                         lambda *a: passes.append(phase[0]) or real_logits(*a))
     mb = logprobs.micro_batch(samples, 0, packed, model.config)
-    ids, attn, targets, mask, _ = logprobs.pad_batch(samples, 0)
+    ids, attn, targets, mask, _ = reference.pad_batch(samples, 0)
     w = weights[:, :mask.shape[1]][mask.bool()]  # (K,) the response tokens, sample after sample
     K = sum(len(s.response_ids) for s in samples)  # rows through the output layer
 
@@ -125,9 +126,9 @@ def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     # transformers' logits (padded batch, sdpa), then the logprob of each target
     twin = hf_twin(model)
     logits = twin(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    ref = grpo.token_logprobs(logits, targets, 0.7)
+    ref = reference.token_logprobs(logits, targets, 0.7)
     (ref * mask * weights[:, :ref.shape[1]]).sum().backward()
-    ent_ref = grpo.masked_entropy_sum(logits.detach() / 0.7, mask)  # the sampling distribution
+    ent_ref = reference.masked_entropy_sum(logits.detach() / 0.7, mask)  # the sampling distribution
     m = mask.bool()
     for got in (chunked, whole):
         assert rel(got[mb.mask.bool()], ref[m].detach()) < 1e-5

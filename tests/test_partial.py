@@ -4,11 +4,13 @@ trained, how stale it is; a step cut by an error and run again; dynamic sampling
 episode cut mid-turn and between turns. The real engine: test_partial_engine.py."""
 
 import copy
+import types
 
 import pytest
 
 import episodes
 import partial
+import records
 from test_packing import model_for, world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config
 
@@ -68,41 +70,44 @@ def example(k: int) -> dict:
 
 
 def scorer(group_size: int, constant=()):
-    """score() as train_grpo's: every group kept, except those of the examples in `constant`
-    (dynamic sampling drops groups whose rewards are all equal). Records the groups it saw."""
+    """The sampler's score() as PartialRollout takes it: every group kept, except those of the
+    examples in `constant` (dynamic sampling drops groups whose rewards are all equal). Records
+    the groups it saw."""
     seen = []
 
-    def score(ro):
-        n = len(ro.samples)
-        groups = [ro.examples[i]["prompt"] for i in range(0, n, group_size)]
+    def score(generated):
+        n = len(generated.samples)
+        groups = [generated.examples[i]["prompt"] for i in range(0, n, group_size)]
         seen.append(groups)
-        ro.scores, ro.adv, ro.dropped = [1.0] * n, [0.0] * n, [False] * n
-        ro.constant = [g in constant for g in groups]
-        ro.keep = [not c for c in ro.constant]
-        return ro
+        return (records.Rewards([1.0] * n, {"r": [1.0] * n}, [False] * n),
+                [g not in constant for g in groups])
     score.seen = seen
     return score
 
 
-def carry(tmp_path, *overrides, env: str = "", group_size: int = 2, share: int = 1):
+ONE_ENGINE = types.SimpleNamespace(index=0, count=1, first=True, per_engine=lambda n: [n])
+
+
+def carry(tmp_path, engine, score, *overrides, env: str = "", group_size: int = 2,
+          share: int = 1):
     cfg = load_config(None, [f"--grpo.group_size={group_size}",
                              f"--grpo.prompts_per_step={share}",
                              "--rollout.partial.enabled=true", *overrides])
-    eps = episodes.Episodes(episodes.EnvConfig(name=env, timeout_s=0, max_tokens=32),
-                            CharTokenizer(), False, "prompt", 16)
+    runner = episodes.EpisodeRunner(episodes.EnvConfig(name=env, timeout_s=0, max_tokens=32),
+                                    CharTokenizer(), False, "prompt", 16)
     examples = [example(k) for k in range(8)]
-    return partial.Carry(cfg, (0, 1), True, lambda i: examples[i]), eps
+    return partial.PartialRollout(cfg, ONE_ENGINE, examples, engine, runner, score), runner
 
 
-def step(c, engine, eps, score, version):
-    times = {"gen": 0.0, "reward": 0.0}
-    ro = c.rollout(engine, eps, score, version, times, lambda k: None)
+def step(c, version):
+    """Step version + 1 (its weights: `version` steps trained): the rollout, the samples kept,
+    and the partial-rollout metrics over them."""
+    ro = c.collect(version + 1)
     trained = [ro.samples[i] for i in range(len(ro.samples))
                if ro.keep[i // c.group_size]]
     m = {k: getattr(v, "value", v) for k, v in c.metrics(trained, version).items()}
     for k in ("stale_mean", "stale_token_frac"):
         m[k] = m[k].total / m[k].count if m[k].count else 0.0
-    c.commit()
     return ro, trained, m
 
 
@@ -116,18 +121,18 @@ def test_carried_samples_and_their_staleness_over_three_steps(tmp_path):
     after 4 engine steps, A2 is cut at 4 of its 9 tokens. Step 2 (version 1): C ends at once,
     A2 writes 1 more. Step 3 (version 2): A2 writes its last 4 and A is trained: each of its
     samples 2 versions old, 7 of its 11 tokens stale; D is carried with 4 tokens each."""
-    c, eps = carry(tmp_path, "--rollout.partial.oversample=2")
     engine, score = LengthEngine(LENGTHS), scorer(2)
-    ro, trained, m = step(c, engine, eps, score, 0)
+    c, eps = carry(tmp_path, engine, score, "--rollout.partial.oversample=2")
+    ro, trained, m = step(c, 0)
     assert [s.response_ids for s in trained] == [[TAG, TAG, EOS], [TAG + 1] * 3 + [EOS]]
     assert (m["gen_tokens"], m["partial_carried"], m["partial_carried_tokens"]) == (13, 2, 6)
     assert (m["stale_mean"], m["stale_max"], m["stale_token_frac"]) == (0, 0, 0)
-    ro, trained, m = step(c, engine, eps, score, 1)
+    ro, trained, m = step(c, 1)
     assert [s.prompt_ids for s in trained] == [[102], [102]]
     assert (m["gen_tokens"], m["partial_carried_tokens"]) == (3, 7)
     # A2 resumed as its prompt and what it wrote so far, with the room it has left
     assert [100] + [TAG + 1] * 4 in engine.prompts[1]
-    ro, trained, m = step(c, engine, eps, score, 2)
+    ro, trained, m = step(c, 2)
     assert [s.prompt_ids for s in trained] == [[100], [100]]
     a2 = trained[1]
     assert a2.response_ids == [TAG + 1] * 8 + [EOS] and len(a2.logp) == 9
@@ -146,12 +151,12 @@ def test_a_group_older_than_max_staleness_is_dropped_whole(tmp_path):
     """As above with max_staleness 1: at step 3, A (its oldest token from version 0) is 2
     versions old and leaves whole, counted; E (2 tokens each) is trained instead, and D goes on
     with the 2 tokens each it wrote meanwhile."""
-    c, eps = carry(tmp_path, "--rollout.partial.oversample=2",
-                   "--rollout.partial.max_staleness=1")
     engine, score = LengthEngine(LENGTHS), scorer(2)
-    step(c, engine, eps, score, 0)
-    step(c, engine, eps, score, 1)
-    ro, trained, m = step(c, engine, eps, score, 2)
+    c, eps = carry(tmp_path, engine, score, "--rollout.partial.oversample=2",
+                   "--rollout.partial.max_staleness=1")
+    step(c, 0)
+    step(c, 1)
+    ro, trained, m = step(c, 2)
     assert m["partial_dropped"] == 2 and [s.prompt_ids for s in trained] == [[104], [104]]
     assert (m["partial_carried"], m["partial_carried_tokens"]) == (2, 4)
 
@@ -161,13 +166,14 @@ def test_a_round_budget_moves_every_carried_sample_on_each_step(tmp_path):
     end with its share complete. Step 1: B completes in round 2, A2 has written 4. Step 2: C
     completes in round 1, and A2 wrote its 2 meanwhile (over-sampling alone gave it 1). Step 3:
     A2's last 3 in two rounds; D carried with 4 tokens each."""
-    c, eps = carry(tmp_path, "--rollout.partial.oversample=2", "--rollout.partial.round_tokens=2")
     engine, score = LengthEngine(LENGTHS), scorer(2)
-    _, trained, m = step(c, engine, eps, score, 0)
+    c, eps = carry(tmp_path, engine, score, "--rollout.partial.oversample=2",
+                   "--rollout.partial.round_tokens=2")
+    _, trained, m = step(c, 0)
     assert [s.prompt_ids for s in trained] == [[101], [101]] and m["gen_tokens"] == 13
-    _, trained, m = step(c, engine, eps, score, 1)
+    _, trained, m = step(c, 1)
     assert [s.prompt_ids for s in trained] == [[102], [102]] and m["gen_tokens"] == 4
-    _, trained, m = step(c, engine, eps, score, 2)
+    _, trained, m = step(c, 2)
     assert trained[1].versions == [0, 0, 0, 0, 1, 1, 2, 2, 2]
     assert (m["gen_tokens"], m["partial_carried_tokens"], m["stale_max"]) == (11, 8, 2)
 
@@ -176,20 +182,20 @@ def test_a_step_cut_by_an_error_runs_again_from_where_the_last_one_left(tmp_path
     """Ctrl-C in a reward of step 2, caught (a notebook): step 2 run again carries, trains and
     counts exactly what it would have without the error."""
     def run(interrupt: bool):
-        c, eps = carry(tmp_path, "--rollout.partial.oversample=2")
         engine, score, fired = LengthEngine(LENGTHS), scorer(2), []
 
-        def flaky(ro):
-            if interrupt and not fired and ro.examples[0]["prompt"] == "q2":
+        def flaky(generated):
+            if interrupt and not fired and generated.examples[0]["prompt"] == "q2":
                 fired.append(1)
                 raise KeyboardInterrupt
-            return score(ro)
-        out = [step(c, engine, eps, flaky, 0)]
+            return score(generated)
+        c, eps = carry(tmp_path, engine, flaky, "--rollout.partial.oversample=2")
+        out = [step(c, 0)]
         if interrupt:
             with pytest.raises(KeyboardInterrupt):
-                step(c, engine, eps, flaky, 1)
+                step(c, 1)
             engine.fresh = copy.deepcopy(fresh_after_step_1)  # the engine forgets, as vLLM's
-        out += [step(c, engine, eps, flaky, v) for v in (1, 2)]
+        out += [step(c, v) for v in (1, 2)]
         return [([s.response_ids for s in t], [s.versions for s in t], m) for _, t, m in out]
 
     fresh_after_step_1 = {100: 1, 101: 1}  # the scripted engine's count of fresh requests
@@ -200,11 +206,11 @@ def test_dynamic_sampling_replaces_a_constant_group(tmp_path):
     """With dynamic sampling, C completes in step 2 with all rewards equal: it does not count
     towards the share, and the step goes on until A completes (4 more engine steps), which is
     trained; both are scored, C marked not kept."""
-    c, eps = carry(tmp_path, "--rollout.partial.oversample=2", "--grpo.dynamic_sampling=true",
-                   "--grpo.max_gen_rounds=2")
     engine, score = LengthEngine(LENGTHS), scorer(2, constant={"q2"})
-    step(c, engine, eps, score, 0)
-    ro, trained, m = step(c, engine, eps, score, 1)
+    c, eps = carry(tmp_path, engine, score, "--rollout.partial.oversample=2",
+                   "--grpo.dynamic_sampling=true", "--grpo.max_gen_rounds=2")
+    step(c, 0)
+    ro, trained, m = step(c, 1)
     assert score.seen[1:] == [["q2"], ["q0"]] and ro.keep == [False, True]
     assert [s.prompt_ids for s in trained] == [[100], [100]]
     assert trained[1].versions == [0] * 4 + [1] * 5  # A2: 4 from step 1, 5 from step 2
@@ -227,13 +233,14 @@ def test_a_multi_turn_episode_continues_mid_turn_and_between_turns(tmp_path):
     order, the reply masked; the environment answered every finished turn once."""
     (tmp_path / "env.py").write_text(ENV)
     lengths = {100: [[3, 3], [5, 2]], 101: [[2, 1], [2, 1]], 102: [[9, 9], [9, 9]]}
-    c, eps = carry(tmp_path, "--rollout.partial.oversample=2", env=f"{tmp_path}/env.py:again")
     engine, score = LengthEngine(lengths), scorer(2)
-    _, trained, _ = step(c, engine, eps, score, 0)
+    c, eps = carry(tmp_path, engine, score, "--rollout.partial.oversample=2",
+                   env=f"{tmp_path}/env.py:again")
+    _, trained, _ = step(c, 0)
     assert [s.prompt_ids for s in trained] == [[101], [101]]
     a1, a2 = c.groups[0]
     assert (a1.turns, a1.pending, a2.turns, a2.pending[0]) == (1, ([], [], []), 0, [TAG + 1] * 3)
-    _, trained, m = step(c, engine, eps, score, 1)
+    _, trained, m = step(c, 1)
     ok = [ord("o"), ord("k")]
     assert trained[0].response_ids == [TAG, TAG, EOS] + ok + [TAG, TAG, EOS]
     assert trained[0].mask == [1, 1, 1, 0, 0, 1, 1, 1]
@@ -251,11 +258,12 @@ def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
     loop's over the tokens this step's weights wrote only, one sample at a time: each token's
     -adv x ratio x min(ratio to the engine, 2), averaged over those tokens; with stale: keep
     the older tokens move the parameters too. The model is fp64, the logprobs fp32 in both
-    (grpo.token_logprobs, logprobs.py): the two sum the same fp32 terms in other orders, so
+    (tests/reference.py, logprobs.py): the two sum the same fp32 terms in other orders, so
     they agree to a few fp32 roundings of the gradient's scale, 1e-6 of the largest entry."""
     import torch
 
     import grpo
+    import reference
     from records import Sample
 
     model = model_for("qwen2").double()  # packed rows attend within each sample
@@ -279,7 +287,7 @@ def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
     fresh = sum(v == 2 for s in samples for v in s.versions)
     for s, a in zip(samples, adv):
         t = torch.tensor([s.prompt_ids + s.response_ids])
-        logp = grpo.token_logprobs(model(input_ids=t).logits[:, :-1], t[:, 1:])[0, 2:]
+        logp = reference.token_logprobs(model(input_ids=t).logits[:, :-1], t[:, 1:])[0, 2:]
         w = (logp.detach() - torch.tensor(s.logp, dtype=torch.float64)).exp().clamp(max=2.0)
         ratio = (logp - logp.detach()).exp()
         keep = torch.tensor([v == 2 for v in s.versions], dtype=torch.float64)

@@ -26,6 +26,13 @@ def worker(timeout_s=1.0, workers=4, concurrency=16):
     return plugins.Worker(FNS, pool_fns.resolve, str, timeout_s, "test", workers, concurrency)
 
 
+def grown(w, n: int) -> None:
+    """Bring the pool up to its n workers: calls slower than the pool's patience make it grow
+    (plugins.Processes), instant ones would leave it at one."""
+    w.run([(0, (i, {"s": 4 * plugins.Processes.PATIENCE_S})) for i in range(n)])
+    assert len(w._plain) == n, len(w._plain)
+
+
 def timed(w, calls):
     t = time.perf_counter()
     out = w.run(calls)
@@ -41,7 +48,7 @@ def test_hung_and_failing_calls_among_healthy_ones():
     healthy values arrive, and the whole job takes one limit (the hung calls ran side by side),
     where cutting them one after another takes two."""
     with worker(timeout_s=1.0, workers=4) as w:
-        w.run([(0, (i, {})) for i in range(4)])  # the four workers are up
+        grown(w, 4)  # the four workers are up
         modes = ["hang", "hang", "boom", "die"] + [None] * 8
         out, took = timed(w, [(0, (i, {"mode": m, "s": 0.1})) for i, m in enumerate(modes)])
         assert out[:4] == [TimeoutError, TimeoutError, plugins.Failed, plugins.Failed]
@@ -55,11 +62,23 @@ def test_hung_and_failing_calls_among_healthy_ones():
 def test_plain_calls_run_side_by_side():
     """16 calls of 0.25 s on 4 workers: ceil(16 / 4) * 0.25 = 1 s, where one worker takes 4 s."""
     with worker(workers=4, timeout_s=5.0) as w:
-        w.run([(0, (i, {})) for i in range(4)])
+        grown(w, 4)
         out, took = timed(w, [(0, (i, {"s": 0.25})) for i in range(16)])
     assert [v.split("@")[0] for v in out] == [str(i) for i in range(16)]
     assert len({pid(v) for v in out}) == 4
     assert 1.0 <= took < 2.0, took
+
+
+def test_the_pool_grows_only_while_calls_wait():
+    """Cheap calls never start a second worker: one worker takes its share of the queue and is
+    idle again before the queue's patience passes. Slow ones do: 8 calls of 0.5 s on up to 8
+    workers start all 8, 7 of them once the first has kept the queue waiting for the
+    patience."""
+    with worker(workers=8, timeout_s=5.0) as w:
+        out = w.run([(0, (i, {})) for i in range(64)])
+        assert len({pid(v) for v in out}) == 1 and len(w._plain) == 1
+        out = w.run([(0, (i, {"s": 0.5})) for i in range(8)])
+        assert len(w._plain) == 8 and len({pid(v) for v in out}) >= 2
 
 
 def test_a_worker_that_died_while_idle_is_replaced():
@@ -150,3 +169,42 @@ def test_ctrl_c_cancels_in_process_async_calls(in_a_loop):
     while threading.active_count() > threads and time.perf_counter() < t + 0.3 + 2.0:
         time.sleep(0.01)  # (the helper thread, its calls cancelled, exits)
     assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("cpus, ranks, expected", [
+    (4, None, 32),  # 4 * 16 / 1 = 64, at most 32
+    (2, "2", 16),  # 2 * 16 / 2
+    (3, "2", 24),  # 3 / 2 = 1.5 CPUs a rank, * 16
+    (4, "8", 8),  # half a CPU a rank, * 16
+    (16, "8", 32),
+    (1, "16", 2),  # 1 / 16 CPU a rank: 1, at least 2
+    (1, "4", 4),
+])
+def test_default_workers_is_16_per_cpu_of_this_rank(monkeypatch, cpus, ranks, expected):
+    """The CPUs this process may run on count, not the machine's (a container or a taskset);
+    with no affinity to ask (macOS), os.cpu_count()."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1000)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert plugins.default_workers() == expected
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert plugins.default_workers() == expected
+
+
+def test_workers_0_runs_slow_plain_calls_side_by_side(monkeypatch):
+    """workers=0 is default_workers(), at least 16 with one rank on a node (16 per CPU): 8 calls
+    that sleep 1 s each start 8 workers (the first at once, 7 more when the queue has waited
+    plugins.Processes.PATIENCE_S, 0.2 s) and take one sleep, 1 s, where the 2 workers of the
+    floor take 8 / 2 * 1 = 4 s and one takes 8 s. Bound 1 + 2.5 s, under 4 s: the patience and
+    the start of the 8 fresh Pythons, slow on a loaded 2-core machine, are in it."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with worker(timeout_s=30.0, workers=0) as w:
+        assert w.workers == plugins.default_workers() >= 8
+        out, took = timed(w, [(0, (i, {"s": 1.0})) for i in range(8)])
+        assert len(w._plain) == 8
+    assert [v.split("@")[0] for v in out] == [str(i) for i in range(8)]
+    assert 1.0 <= took < 1.0 + 2.5, took

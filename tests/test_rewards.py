@@ -238,7 +238,7 @@ def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
 
 
 def test_scorer_survives_the_worker_dying(plugin):
-    cfg = rewards.RewardConfig(funcs=["my_reward_mod:crash"], timeout_s=30.0)
+    cfg = rewards.RewardConfig(funcs=["my_reward_mod:crash"], timeout_s=30.0, workers=1)
     with rewards.Scorer(cfg) as scorer:
         out = scorer.score(["a", "crash", "b"], [{}] * 3)
         assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0

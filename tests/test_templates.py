@@ -100,8 +100,9 @@ def episode(tmp_path, template: str, env: str, turns: list[str]):
     ex = {"prompt": "6*7?", "answer": "42", "prompt_messages": messages,
           "prompt_ids": tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)}
-    eps = episodes.Episodes(episodes.EnvConfig(name=f"{tmp_path / 'env.py'}:{env}", max_turns=3,
-                                               timeout_s=0), tok, True, "prompt", 64)
+    eps = episodes.EpisodeRunner(episodes.EnvConfig(name=f"{tmp_path / 'env.py'}:{env}",
+                                                    max_turns=3, timeout_s=0),
+                                 tok, True, "prompt", 64)
     ro = eps.run(TemplateEngine(tok, turns), [ex], 1)
     return tok, eps, ro
 

@@ -1,4 +1,5 @@
-"""weight_sync.push with a recording engine: order, names, dtype, on a plain and an FSDP2 model."""
+"""The push (weight_sync.load, in the engine's turn: weight_sync.EngineTurn) with a recording
+engine: order, names, dtype, on a plain and an FSDP2 model; the engine's wake order and sleep."""
 
 import time
 
@@ -25,29 +26,51 @@ class RecordingEngine:
         for name, tensor in pairs:  # consumed lazily, as vLLM's worker does
             self.received[name] = tensor.clone()
 
+    def sleep(self):
+        self.calls.append(("sleep",))
 
-def test_push_order_names_dtype_and_tied_head():
+
+def push(model, engine) -> None:
+    """One engine turn without the offload: wake, push, sleep."""
+    with weight_sync.EngineTurn(model, None, engine, offload_on=False):
+        pass
+
+
+def test_push_order_names_dtype_and_tied_head(monkeypatch):
+    import offload
+
     model = tiny_task.build_tiny_model(vocab_size=15, eos_id=1, pad_id=0)
     engine = RecordingEngine("bfloat16")
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.tensor([[1, 2]])).logits.sum().backward()
+    opt.step()  # Adam's state exists: there is something to move
+    moves, real = {"to_host": 0.2, "to_device": 0.1}, dict(vars(offload.HostCopy))
 
-    def optimizer_out():  # what the loop runs there: the optimizer state out of device memory
-        engine.calls.append(("optimizer_out",))
-        time.sleep(0.2)
+    def recorded(name):
+        def move(copy, *args):
+            what = name if name == "to_device" else ("actor" if args[0] is not None
+                                                     else "optimizer")
+            engine.calls.append((name, what))
+            time.sleep(moves[name])
+            return real[name](copy, *args)
+        return move
 
-    def switch_out():  # and there the actor
-        engine.calls.append(("switch_out",))
-        time.sleep(0.3)
-
+    for name in moves:
+        monkeypatch.setattr(offload.HostCopy, name, recorded(name))
     t = time.perf_counter()
-    stats = weight_sync.push(model, engine, before_weights=optimizer_out,
-                             before_kv_cache=switch_out)
+    with weight_sync.EngineTurn(model, opt, engine, offload_on=True) as turn:
+        engine.calls.append(("generate",))
     wall = time.perf_counter() - t
+    stats = turn.metrics()
     # weights wake first, then the load, then the KV cache: never load into a sleeping engine;
     # the optimizer state leaves before the weights wake, the actor between the load and the KV
-    # cache, and their time is not the sync's
-    assert engine.calls == [("optimizer_out",), ("wake", ("weights",)), ("load_weights",),
-                            ("switch_out",), ("wake", ("kv_cache",))]
-    assert 0 < stats["seconds"] <= wall - 0.5
+    # cache; after the turn the engine sleeps and both come back; the moves' time is not the
+    # sync's
+    assert engine.calls == [("to_host", "optimizer"), ("wake", ("weights",)), ("load_weights",),
+                            ("to_host", "actor"), ("wake", ("kv_cache",)), ("generate",),
+                            ("sleep",), ("to_device", "to_device"), ("to_device", "to_device")]
+    assert 0 < stats["sync_time_s"] <= wall - 0.6 and stats["offload_out_time_s"] >= 0.4
+    assert stats["offload_in_time_s"] >= 0.2
     # every checkpoint tensor, under its HF name, including the tied lm_head sent explicitly;
     # each decoder layer's tensors together and in order, the embedding and the head last
     names = list(engine.received)
@@ -59,7 +82,7 @@ def test_push_order_names_dtype_and_tied_head():
     for name, tensor in model.state_dict().items():
         assert engine.received[name].dtype == torch.bfloat16
         assert torch.equal(engine.received[name], tensor.to(torch.bfloat16)), name
-    assert stats["bytes"] == sum(t.numel() * 2 for t in model.state_dict().values())
+    assert stats["sync_gb"] * 2**30 == sum(t.numel() * 2 for t in model.state_dict().values())
 
 
 def test_wrapper_prefixes_are_stripped():
@@ -98,7 +121,7 @@ def engine_with(fake):
 
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
     engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(), True, fake
-    engine.asleep, engine.weights_awake, engine.memory = False, True, {}
+    engine.kv_cache_awake, engine.weights_awake, engine.memory = True, True, {}
     engine.lora = engine.adapter = None
     return engine
 
@@ -117,7 +140,7 @@ def test_engine_guards_the_wake_order():
     engine.wake(["weights"])
     engine.load_weights(iter([("a", torch.zeros(1)), ("b", torch.ones(1))]))
     engine.wake(["kv_cache"])
-    assert not engine.asleep and fake.loaded == ["a", "b"]
+    assert engine.kv_cache_awake and fake.loaded == ["a", "b"]
     # the prefix cache is dropped right after the load, before anything can generate
     # level 2 by default: the worker restores buffers at the first wake, which must be "weights"
     assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",),
@@ -146,7 +169,7 @@ def test_with_adapters_the_engine_sleeps_its_kv_cache_only_where_vllm_can():
         engine.wake(["weights"])
         engine.wake(["kv_cache"])
         assert fake.calls == expected, type(fake).__name__
-        assert engine.weights_awake and not engine.asleep
+        assert engine.weights_awake and engine.kv_cache_awake
 
 
 @pytest.mark.engine
@@ -198,7 +221,7 @@ def test_a_sleeping_engine_wakes_before_it_shuts_down(monkeypatch):
 def test_only_the_rotary_reload_warning_is_dropped():
     import logging
 
-    import tracking
+    import rollout
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     seen = []
@@ -206,8 +229,8 @@ def test_only_the_rotary_reload_warning_is_dropped():
     handler.emit = lambda record: seen.append(record.getMessage())
     logger.addHandler(handler)
     try:
-        tracking.quiet_rotary_reload_warning()
-        tracking.quiet_rotary_reload_warning()  # idempotent: one filter
+        rollout.quiet_rotary_reload_warning()
+        rollout.quiet_rotary_reload_warning()  # idempotent: one filter
         for layer in ("RotaryEmbedding", "AscendRotaryEmbedding", "QKVParallelLinear"):
             logger.warning("%s: Failed to load weights", layer)
         logger.warning("something else about RotaryEmbedding")
@@ -244,7 +267,7 @@ def test_units_and_both_gathers_of_an_fsdp_model(tiny_models, tmp_path):
         for sync_by in ("tensor", "unit"):
             engine = RecordingEngine("bfloat16")
             engine.cfg.sync_by = sync_by
-            weight_sync.push(model, engine)
+            push(model, engine)
             assert set(engine.received) == {n for n, _ in model.named_parameters()} | {
                 "lm_head.weight"}  # the tiny model ties its embeddings
             for name, p in model.named_parameters():
@@ -274,7 +297,7 @@ def test_a_llama_shards_and_syncs_under_its_family_names(tmp_path):
                                        init_device_mesh("cpu", (1,)))
         assert [unit for unit, _ in weight_sync.units(model)] == [*model.model.layers, model]
         engine = RecordingEngine("float32")
-        weight_sync.push(model, engine)
+        push(model, engine)
         assert set(engine.received) == {n for n, _ in model.named_parameters()} | {
             "lm_head.weight"}
         assert torch.equal(engine.received["lm_head.weight"],

@@ -19,3 +19,15 @@ def start(**engine) -> tuple:
     cfg = rollout.RolloutConfig(tp_size=tp, dtype="float32", max_model_len=64,
                                 kv_cache_memory_bytes=16 << 20, **engine)
     return model_dir, tp, rank, world, AutoTokenizer.from_pretrained(model_dir), cfg
+
+
+def prompt_logprobs(engine, token_ids: list[list[int]]) -> list[list[float]]:
+    """The engine's logprob of every token after the first of each sequence: a probe of the
+    weights it holds (its prompt logprobs, at temperature 1, under the actor's adapter if any)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+    outs = engine.llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
+                               use_tqdm=False, lora_request=engine.adapter)
+    return [[lp[tok].logprob for tok, lp in zip(t[1:], o.prompt_logprobs[1:])]
+            for t, o in zip(token_ids, outs)]

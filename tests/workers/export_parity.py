@@ -12,10 +12,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
+import engines
 import fsdp_utils
 import npu_ops
 import rollout
-from grpo import token_logprobs
+from tests.reference import token_logprobs
 from train_grpo import init_distributed
 
 model_dir, out = sys.argv[1], sys.argv[2]
@@ -60,7 +61,7 @@ assert worst(trainer, hf) < 1e-4, worst(trainer, hf)
 cfg = rollout.RolloutConfig(dtype="float32", max_model_len=64, max_num_seqs=8,
                             kv_cache_memory_bytes=16 << 20, max_new_tokens=4)
 engine = rollout.Engine(cfg, out, tp_group_index=rank)  # loads the export from disk
-gap = worst(trainer, engine.score(probe))
+gap = worst(trainer, engines.prompt_logprobs(engine, probe))
 print(f"rank {rank}: |trainer - transformers| {worst(trainer, hf):.1e}, "
       f"|trainer - vLLM| {gap:.1e}, |trainer - base| {worst(trainer, base):.1e}", flush=True)
 assert gap < 1e-4, gap

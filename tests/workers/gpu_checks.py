@@ -1,9 +1,9 @@
 """One CUDA rank: what CPU cannot show about memory and bf16 numerics (tests/test_gpu.py runs it).
 
-1. The context switch (offload.Switch) gives the device back: after both moves out, the device
-   memory in use (every allocator, as the engine sees it) fell by at least 90% of the actor's
-   fp32 shards plus Adam's state, the pinned host memory is exactly the parked bytes, and
-   leaving the engine's turn restores every element of both.
+1. The engine's turn (weight_sync.EngineTurn, model.offload on) gives the device back: after
+   both moves to host memory, the device memory in use (every allocator, as the engine sees it)
+   fell by at least 90% of the actor's fp32 shards plus Adam's state, the pinned host memory is
+   exactly the copied bytes, and leaving the turn restores every element of both.
 2. After a bf16 weight sync, the engine's logprobs of a probe batch equal the trainer's (bf16
    compute, the same bf16 weights) within a bound from bf16 rounding: each of the 2L + 2 places
    where the two implementations may round a normalised activation differently (the embedding,
@@ -24,12 +24,14 @@ import npu_ops  # noqa: I001  (first: the platform environment before torch load
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+import engines
 import fsdp_utils
 import grpo
 import offload
 import rollout
 import weight_sync
 from records import Sample
+from tests.reference import token_logprobs
 from train_grpo import init_distributed
 
 KV_BYTES = 1 << 30
@@ -56,62 +58,63 @@ gen = torch.Generator().manual_seed(1)
 samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
                   torch.randint(0, vocab, (24,), generator=gen).tolist(), [0.0] * 24, False)
            for _ in range(8)]
-grpo.train_on_rollout(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
-                      device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
+grpo.update(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
+            device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
 held = offload.device_tensors(actor, opt)
 state_bytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
                                                          for t in held}.values())
-before = [t.cpu() for t in held]  # every element, to compare after the switch back
-switch = offload.Switch(actor, opt, engine, enabled=True)
+before = [t.cpu() for t in held]  # every element, to compare after the move back
+turn = weight_sync.EngineTurn(actor, opt, engine, offload_on=True)
 
-# 2) the sync, with the switch where the loop makes it: the optimizer state out before the
-#    weights wake, the actor between the load and the KV cache's wake
+# 2) the sync, in the engine's turn as the loop takes it: the optimizer state to host memory
+#    before the weights wake, the actor between the load and the KV cache's wake
 allocated = []  # torch's allocator around the moves (the engine's pool is not in the change)
+state_to_host, params_to_host = turn.state.to_host, turn.params.to_host
 
 
-def optimizer_out():
+def optimizer_out(*args):
     allocated.append(torch.cuda.memory_allocated())
-    switch.optimizer_out()
+    state_to_host(*args)
 
 
-def actor_out():
-    switch.actor_out()
+def actor_out(*args):
+    params_to_host(*args)
     allocated.append(torch.cuda.memory_allocated())
 
 
-turn = switch.engine_turn()
-turn.__enter__()
-weight_sync.push(actor, engine, before_weights=optimizer_out, before_kv_cache=actor_out)
-stats = switch.metrics()
-freed_by_switch = (stats["mem_optimizer_out_before_gb"] - stats["mem_optimizer_out_after_gb"]
-                   + stats["mem_switch_out_before_gb"] - stats["mem_switch_out_after_gb"])
-host_bytes = switch.params.host_bytes + switch.state.host_bytes
-assert host_bytes == switch.params.parked_bytes + switch.state.parked_bytes == state_bytes
+turn.state.to_host, turn.params.to_host = optimizer_out, actor_out
 probe = [s.prompt_ids + s.response_ids for s in samples]
-engine_lp = engine.score(probe)
-turn.__exit__(None, None, None)  # the engine asleep, the actor and its optimizer state back
-assert all(torch.equal(t.cpu(), b) for t, b in zip(held, before)), "the switch changed a value"
+with turn:  # leaving it: the engine asleep, the actor and its optimizer state back
+    stats = turn.metrics()
+    freed_by_offload = (stats["mem_optimizer_out_before_gb"] - stats["mem_optimizer_out_after_gb"]
+                        + stats["mem_actor_out_before_gb"] - stats["mem_actor_out_after_gb"])
+    host_bytes = turn.params.host_bytes + turn.state.host_bytes
+    copied = sum(sum(c.layout) if c.away else 0 for c in (turn.params, turn.state))
+    assert host_bytes == copied == state_bytes, (host_bytes, copied, state_bytes)
+    engine_lp = engines.prompt_logprobs(engine, probe)
+assert len(allocated) == 2, allocated
+assert all(torch.equal(t.cpu(), b) for t, b in zip(held, before)), "the moves changed a value"
 # 4) no token to learn from on any rank: the norm must come back on the device, not the CPU
-empty = grpo.train_on_rollout(actor, None, opt, [], torch.zeros(0), g, pad_id=0, device=device,
-                              seed=1, temperature=1.0, max_len=24, grad_clip=1.0)
+empty = grpo.update(actor, None, opt, [], torch.zeros(0), g, pad_id=0, device=device, seed=1,
+                    temperature=1.0, max_len=24, grad_clip=1.0)
 assert empty["grad_norm"] == 0.0, empty
 with torch.no_grad():
     gaps = []
     for ids, elp in zip(probe, engine_lp):
         t = torch.tensor([ids], device=device)
-        lp = grpo.token_logprobs(actor(input_ids=t).logits[:, :-1], t[:, 1:])[0].float().cpu()
+        lp = token_logprobs(actor(input_ids=t).logits[:, :-1], t[:, 1:])[0].float().cpu()
         gaps.append((lp - torch.tensor(elp)).abs())
 gaps = torch.cat(gaps)
 layers = actor.config.num_hidden_layers
 bound = 2 * (2 * layers + 2) * 2.0**-8
-result = {"state_gb": state_bytes / 2**30, "freed_by_switch_gb": freed_by_switch,
+result = {"state_gb": state_bytes / 2**30, "freed_by_offload_gb": freed_by_offload,
           "host_gb": host_bytes / 2**30,
-          "allocated_freed_by_switch_gb": (allocated[0] - allocated[1]) / 2**30,
+          "allocated_freed_by_offload_gb": (allocated[0] - allocated[1]) / 2**30,
           "kv_cache_gb": KV_BYTES / 2**30, "freed_by_sleep_gb": freed_by_sleep,
           "logp_gap_mean": gaps.mean().item(), "logp_gap_max": gaps.max().item(),
           "logp_gap_bound": bound}
 print(json.dumps(result), flush=True)
-assert freed_by_switch >= 0.9 * state_bytes / 2**30, result
+assert freed_by_offload >= 0.9 * state_bytes / 2**30, result
 assert freed_by_sleep >= KV_BYTES / 2**30, result
 assert result["logp_gap_mean"] < bound and result["logp_gap_max"] < 4 * bound, result
 engine.shutdown()

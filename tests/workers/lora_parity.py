@@ -1,13 +1,16 @@
-"""After every adapter push, the engine (LoRA on) samples from the trainer's policy: the engine's
-logprob of every token it samples equals the FSDP actor's (adapters on) within 1e-4, fp32, the
-bound of the full-weight test (sync_parity.py), over three pushes with real optimizer steps in
-between. Also: only the adapters' bytes are sent; the first push registers the adapter, the
-later ones write it in place (no file); the engine really changes between pushes. Prompts are
-longer than a KV block: KV cached under the last adapter would show if the prefix cache were
-not dropped. Targets leave k_proj and up_proj out, so the engine's packed q/k/v and gate/up
-layers each get a slice with no adapter.
+"""After every adapter push (the engine's weights woken, weight_sync.load, its KV cache woken),
+the engine (LoRA on) samples from the trainer's policy: the engine's logprob of every token it
+samples equals the FSDP actor's (adapters on) within 1e-4, fp32, the bound of the full-weight
+test (sync_parity.py), over three pushes with real optimizer steps in between. Also: only the
+adapters' bytes are sent; the first push registers the adapter, the later ones write it in
+place (no file); the engine really changes between pushes. Prompts are longer than a KV block:
+KV cached under the last adapter would show if the prefix cache were not dropped. Targets leave
+k_proj and up_proj out, so the engine's packed q/k/v and gate/up layers each get a slice with no
+adapter.
 Usage: torchrun --nproc_per_node 2 tests/workers/lora_parity.py MODEL_DIR TP
 """
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,7 @@ import engines
 import fsdp_utils
 import rollout
 import weight_sync
-from grpo import token_logprobs
+from tests.reference import token_logprobs
 
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8,
                                                      block_size=32)
@@ -47,8 +50,12 @@ for round_ in range(3):
         (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
         opt.step()
         opt.zero_grad()
-    stats = weight_sync.push(actor, engine)
-    assert stats["bytes"] == adapter_bytes, (stats["bytes"], adapter_bytes)
+    t0 = time.perf_counter()
+    engine.wake(["weights"])
+    sent = weight_sync.load(actor, engine)
+    engine.wake(["kv_cache"])
+    seconds = time.perf_counter() - t0
+    assert sent == adapter_bytes, (sent, adapter_bytes)
     samples = engine.generate(prompts, n=2, seed=100 * round_ + rank // tp)  # an engine's
     worst = 0.0
     with torch.no_grad():  # every rank: as many forwards (FSDP gathers in each)
@@ -58,11 +65,12 @@ for round_ in range(3):
             lp = lp[len(s.prompt_ids) - 1:]
             worst = max(worst, (lp - torch.tensor(s.logp)).abs().max().item())
     flat = torch.tensor([x for s in samples for x in s.logp])
-    print(f"rank {rank} tp {tp} push {round_}: {stats['bytes']} bytes in "
-          f"{stats['seconds'] * 1e3:.1f} ms, max |engine - trainer| logprob {worst:.2e} over "
-          f"{flat.numel()} sampled tokens", flush=True)
+    print(f"rank {rank} tp {tp} push {round_}: {sent} bytes in {seconds * 1e3:.1f} ms, "
+          f"max |engine - trainer| logprob {worst:.2e} over {flat.numel()} sampled tokens",
+          flush=True)
     assert worst < 1e-4, worst
-    probe = torch.tensor([x for row in engine.score(prompts) for x in row])
+    probe = torch.tensor([x for row in engines.prompt_logprobs(engine, prompts)
+                          for x in row])
     if previous is not None:
         assert (probe - previous).abs().max() > 1e-3, "the engine did not change after the push"
     previous = probe

@@ -2,10 +2,10 @@
   - greedy: a response cut after a few tokens and resumed (its prompt and those tokens, the
     room left) is the uninterrupted response, token for token, its logprobs within 1e-4;
   - sampled: vLLM seeds a request's generator when the request starts, so a resumed sample
-    cannot repeat the uninterrupted one's draws; instead, every token of the samples a Carry
-    trains, those written before the cut and after it, has the engine's logprob equal to the
-    trainer's (an unsharded transformers model with the actor's weights) within 1e-4, the
-    bound of the weight-sync parity test (sync_parity.py);
+    cannot repeat the uninterrupted one's draws; instead, every token of the samples a
+    partial.PartialRollout trains, those written before the cut and after it, has the engine's
+    logprob equal to the trainer's (an unsharded transformers model with the actor's weights)
+    within 1e-4, the bound of the weight-sync parity test (sync_parity.py);
   - every rank of an engine group carries the same groups, token for token.
 Usage: torchrun --nproc_per_node N tests/workers/partial_engine.py MODEL_DIR TP
 """
@@ -20,22 +20,26 @@ import engines
 import episodes
 import fsdp_utils
 import partial
+import records
 import rollout
 import weight_sync
-from grpo import token_logprobs
+from tests.reference import token_logprobs
 from train_grpo import load_config
 
 MAX = 40
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=64, max_new_tokens=MAX,
                                                      block_size=32)
-engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
+group = rollout.EngineGroup(tp)  # (the process group exists: engines.start made it)
+engine = rollout.Engine(cfg, model_dir, tp_group_index=group.index)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                init_device_mesh("cpu", (world,)))
 with torch.no_grad():  # a model whose responses vary in length and content
     for p in actor.parameters():
         p.to_local().add_(torch.randn_like(p.to_local()) * 0.3)
-weight_sync.push(actor, engine)
+engine.wake(["weights"])
+weight_sync.load(actor, engine)
+engine.wake(["kv_cache"])
 hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 hf.load_state_dict(get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True)))
 
@@ -64,41 +68,48 @@ for k, i in enumerate(going):
 print(f"rank {rank}: greedy, {len(going)} responses cut and resumed == uninterrupted "
       f"({[len(whole[i][0]) for i in going]} tokens; logprobs max gap {gap:.1e})", flush=True)
 
-# sampled, through a Carry: 2 groups a step from 4 in flight. Step 1 stops by over-sampling
-# alone: the requests still running are aborted mid-response. Later steps add a round budget
-# of 16 tokens, with which every carried sample moves on 16 tokens a step at least
+# sampled, through a partial.PartialRollout: 2 groups a step from 4 in flight, each round
+# seeded from (rollout.seed, step, engine group, round). Step 1 stops by over-sampling alone: the
+# requests still running are aborted mid-response. Later steps add a round budget of 16 tokens,
+# with which every carried sample moves on 16 tokens a step at least. The weights never change;
+# the version only counts the steps (max_staleness above the 8 steps: no group is dropped)
 run_cfg = load_config(None, ["--grpo.group_size=4", f"--grpo.prompts_per_step={2 * world // tp}",
                              "--rollout.partial.enabled=true",
-                             "--rollout.partial.oversample=2"])
+                             "--rollout.partial.oversample=2",
+                             "--rollout.partial.max_staleness=8",
+                             "--rollout.seed_per_step=true"])
 examples = [{"prompt": tok.decode(p), "prompt_ids": p, "answer": ""} for p in prompts]
-eps = episodes.Episodes(episodes.EnvConfig(), tok, False, "prompt", MAX)
-carry = partial.Carry(run_cfg, (rank // tp, world // tp), rank % tp == 0,
-                      lambda i: examples[i % len(examples)])
 
 
-def keep_all(ro):
-    n = len(ro.samples)
-    ro.scores, ro.adv, ro.dropped = [0.0] * n, [0.0] * n, [False] * n
-    ro.constant, ro.keep = [False] * (n // 4), [True] * (n // 4)
-    return ro
+class Cycle:
+    """prompts[i]: the i-th example, the list starting over after the last."""
+
+    def __getitem__(self, i):
+        return examples[i % len(examples)]
 
 
+def keep_all(generated):
+    """Every finished group kept, with reward 0 (none is scored here)."""
+    n = len(generated.samples)
+    return records.Rewards([0.0] * n, {}, [False] * n), [True] * (n // 4)
+
+
+runner = episodes.EpisodeRunner(episodes.EnvConfig(), tok, False, "prompt", MAX, group)
+pr = partial.PartialRollout(run_cfg, group, Cycle(), engine, runner, keep_all)
 resumed, checked, steps, worst = 0, 0, 0, 0.0
 while not resumed or steps < 2:
     assert steps < 8, "no sample cut mid-response was resumed and finished in 8 steps"
-    cut = [e for g in carry.groups for e in g if e.pending and e.pending[0]]  # cut mid-response
-    ro = carry.rollout(engine, eps, keep_all, 0, {"gen": 0.0, "reward": 0.0},
-                       lambda k, s=steps: 1000 * s + k)
-    carry.commit()
-    steps, carry.cfg.round_tokens = steps + 1, 16
+    cut = [e for g in pr.groups for e in g if e.pending and e.pending[0]]  # cut mid-response
+    ro = pr.collect(steps + 1)  # a new step: the last one's state is kept
+    steps, pr.cfg.round_tokens = steps + 1, 16
     for s in ro.samples:
         gap = (trainer_logp(s.prompt_ids, s.response_ids) - torch.tensor(s.logp)).abs().max()
         assert gap < 1e-4, (gap.item(), s)
         checked, worst = checked + 1, max(worst, gap.item())
-    left = {id(e) for g in carry.groups for e in g}
+    left = {id(e) for g in pr.groups for e in g}
     resumed += sum(id(e) not in left for e in cut)  # trained this step (none is dropped)
     # every rank of this engine group holds the same carried groups
-    held = [[(e.ids, e.pending) for e in g] for g in carry.groups]
+    held = [[(e.ids, e.pending) for e in g] for g in pr.groups]
     everyone = [None] * world
     dist.all_gather_object(everyone, held)
     assert all(h == held for h in everyone[rank // tp * tp:(rank // tp + 1) * tp]), \

@@ -1,4 +1,4 @@
-"""2 ranks: the first optimizer step of grpo.train_on_rollout takes the REINFORCE gradient.
+"""2 ranks: the first optimizer step of grpo.update takes the REINFORCE gradient.
 
 With no mismatch correction, the first update of a rollout sees ratio 1 (on-policy, or old_logp
 recomputed by the same weights), so its gradient must equal that of
@@ -57,14 +57,14 @@ def hf_logp(s):
     return torch.stack([lp[len(s.prompt_ids) - 1 + t, tok] for t, tok in enumerate(s.response_ids)])
 
 
-# the reference: FSDP2, frozen, parked off the accelerator (running it parked is refused, not a
-# read of freed memory); brought back, the same logprobs as the HF model
+# the reference: FSDP2, frozen, its weights in host memory (running it there is refused, not a
+# read of freed memory); brought back to the device, the same logprobs as the HF model
 try:
     ref_model(torch.tensor([[3, 4]]))
-    raise AssertionError("a parked model ran")
+    raise AssertionError("a model whose weights are in host memory ran")
 except RuntimeError as e:
-    assert "parked" in str(e)
-offload.unpark(ref_model)
+    assert "host memory (offload.to_host)" in str(e)
+offload.to_device(ref_model)
 ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
                                   cfg.rollout.temperature)
 with torch.no_grad():
@@ -103,8 +103,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
     cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = agg, epochs, n_mb
     cfg.grpo.kl_coef, cfg.grpo.kl_estimator = kl_coef, est
     opt, recomputed[:] = FirstStep(), []
-    grpo.train_on_rollout(actor, ref_model if kl_coef else None, opt, [samples[i] for i in mine],
-                          adv[mine], cfg.grpo, seed=7, **update_args)
+    grpo.update(actor, ref_model if kl_coef else None, opt, [samples[i] for i in mine],
+                adv[mine], cfg.grpo, seed=7, **update_args)
     assert len(opt.grads) == epochs * n_mb
     on_policy = epochs == 1 and n_mb == 1
     assert (actor in recomputed) == (not on_policy), (agg, epochs, n_mb)
@@ -150,8 +150,8 @@ class Recording(torch.optim.AdamW):
         return super().step()
 
 
-grpo.train_on_rollout(actor, None, Recording(actor.parameters(), lr=3e-3),
-                      [samples[i] for i in mine], adv[mine], cfg.grpo, seed=11, **update_args)
+grpo.update(actor, None, Recording(actor.parameters(), lr=3e-3), [samples[i] for i in mine],
+            adv[mine], cfg.grpo, seed=11, **update_args)
 hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-3)
 with torch.no_grad():
     old = {i: hf_logp(samples[i]) for i in range(12)}

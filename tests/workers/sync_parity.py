@@ -1,12 +1,15 @@
 """After every weight sync, the engine equals the trainer: logprobs (fp32) and greedy outputs.
 
-Each round changes the actor with a real optimizer step, pushes it into the engine, and checks
+Each round changes the actor with a real optimizer step, pushes it into the engine (its weights
+woken, weight_sync.load, its KV cache woken: what the engine's turn does), and checks
   - the engine's logprobs of a fixed probe batch == the FSDP actor's, within 1e-4;
   - the engine's greedy generations == HF transformers' greedy `generate` on the actor's gathered
     weights (an unsharded model, independent of vLLM);
   - the engine really changed between rounds (a no-op sync would fail the first check anyway).
 Usage: torchrun --nproc_per_node 2 tests/workers/sync_parity.py MODEL_DIR TP
 """
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -19,7 +22,7 @@ import engines
 import fsdp_utils
 import rollout
 import weight_sync
-from grpo import token_logprobs
+from tests.reference import token_logprobs
 
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8,
                                                      block_size=32, enable_prefix_caching=True)
@@ -52,12 +55,16 @@ for round_ in range(3):
     engine.cfg.sync_by = "unit" if round_ == 1 else "tensor"
     gathers, real_gather = [], _fsdp_param_group.foreach_all_gather
     _fsdp_param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or real_gather(*a, **k)
-    stats = weight_sync.push(actor, engine)
+    t0 = time.perf_counter()
+    engine.wake(["weights"])
+    sent = weight_sync.load(actor, engine)
+    engine.wake(["kv_cache"])
+    seconds = time.perf_counter() - t0
     _fsdp_param_group.foreach_all_gather = real_gather
-    assert stats["bytes"] > 0
+    assert sent > 0
     assert len(gathers) == (actor.config.num_hidden_layers + 1 if round_ == 1 else 0), gathers
 
-    engine_lp = engine.score(probe)
+    engine_lp = engines.prompt_logprobs(engine, probe)
     with torch.no_grad():
         worst = 0.0
         for ids, elp in zip(probe, engine_lp):
@@ -65,7 +72,7 @@ for round_ in range(3):
             lp = token_logprobs(actor(input_ids=t).logits[:, :-1], t[:, 1:])[0]
             worst = max(worst, (lp - torch.tensor(elp)).abs().max().item())
     print(f"rank {rank} tp {tp} round {round_}: max |engine - trainer| logprob {worst:.2e}, "
-          f"sync {stats['bytes']} bytes in {stats['seconds']:.3f}s", flush=True)
+          f"sync {sent} bytes in {seconds:.3f}s", flush=True)
     assert worst < 1e-4, worst
     flat = torch.tensor([x for row in engine_lp for x in row])
     if previous is not None:

@@ -1,0 +1,109 @@
+"""A step's rollout, collected in one call: `Sampler.collect(step)`.
+
+The sampler holds what a rollout needs: the engine, the episodes (episodes.EpisodeRunner), the
+reward functions (rewards.Scorer) and the shuffled prompts. It collects in one of two forms,
+behind the same call:
+- rounds (the default): this engine group's slice of grpo.prompts_per_step prompts, G episodes
+  each, played to their end; with dynamic sampling (DAPO), fresh prompts in further rounds until
+  the engine groups together kept prompts_per_step groups with signal, at most
+  grpo.max_gen_rounds rounds;
+- partial rollout (rollout.partial.enabled): partial.PartialRollout, which carries unfinished
+  samples from step to step and stops a step's generation early.
+Either way it scores each finished group as it comes (`score`: its rewards, and whether it may
+train) and returns one records.Rollout, made in one place (records.Rollout.join).
+
+The two forms stay apart: the rounds generate the G samples of a prompt as one request of n=G
+(engine.generate), whose samples differ from G requests of one (engine.stream), so that one form
+for both would change every default run's samples.
+
+A step collected again (its last try raised: a reward, Ctrl-C) draws the same prompts: the data
+position moves on only when a later step begins (or partial rollout's state, likewise).
+"""
+
+import time
+
+import grpo
+import partial
+import records
+import rollout
+
+
+class Sampler:
+    """cfg: the run's config tree; engine: rollout.Engine; runner: episodes.EpisodeRunner; scorer:
+    rewards.Scorer; prompts: data.Shuffled (prompts[i], the i-th drawn); group:
+    rollout.EngineGroup."""
+
+    def __init__(self, cfg, engine, runner, scorer, prompts, group):
+        self.cfg, self.engine, self.runner, self.scorer = cfg, engine, runner, scorer
+        self.prompts, self.group = prompts, group
+        # an episode's length limit (the overlong penalty's), and what a failed call costs
+        self.limit = cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+        self.drop_failed = cfg.env.on_failure == "drop"
+        self.step, self.start, self.drawn = 0, 0, 0  # the step collected last; data positions
+        self.partial = (partial.PartialRollout(cfg, group, prompts, engine, runner, self.score)
+                        if cfg.rollout.partial.enabled else None)
+
+    def collect(self, step: int) -> records.Rollout:
+        """Step `step`'s rollout (module docstring)."""
+        if self.partial is not None:
+            return self.partial.collect(step)
+        if step != self.step:  # a new step: the last one went through
+            self.step, self.start = step, self.drawn
+        g = self.cfg.grpo
+        per_engine = g.prompts_per_step // self.group.count
+        pieces, seconds, drawn = [], {"gen": 0.0, "reward": 0.0}, self.start
+        while True:
+            first = drawn + self.group.index * per_engine  # each engine group its own slice
+            batch = [self.prompts[first + i] for i in range(per_engine)]
+            drawn += g.prompts_per_step
+            seed = (rollout.seed_from(self.cfg.rollout.seed, step, self.group.index,
+                                      len(pieces) + 1) if self.cfg.rollout.seed_per_step else None)
+            t = time.perf_counter()
+            generated = self.runner.run(self.engine, batch, g.group_size, seed=seed)
+            seconds["gen"] += time.perf_counter() - t
+            t = time.perf_counter()
+            pieces.append((generated, *self.score(generated)))
+            seconds["reward"] += time.perf_counter() - t
+            kept = self.group.per_engine(sum(k for *_, keep in pieces for k in keep))
+            if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
+                    or len(pieces) == g.max_gen_rounds):
+                break
+        self.drawn = drawn
+        env = sum((p.env for p, *_ in pieces), records.EnvCalls())
+        return records.Rollout.join(pieces, kept, env, len(pieces), seconds)
+
+    def score(self, generated: records.Generated) -> tuple[records.Rewards, list[bool]]:
+        """Finished groups' rewards (a failed episode's are 0), and per group whether it may go
+        into the update (grpo.keep_groups: with dynamic sampling, not if it has no signal)."""
+        out = self.scorer.score(generated.texts, generated.examples, generated.failed)
+        rewards = records.Rewards(out["reward"], out["by_name"], out["failed"], out["errors"],
+                                  out["timeouts"])
+        dropped = grpo.dropped_samples(generated.failed, rewards.failed, self.drop_failed)
+        keep = grpo.keep_groups(rewards.total, [len(s.response_ids) for s in generated.samples],
+                                dropped, self.limit, self.cfg.grpo)
+        return rewards, keep
+
+    def close(self) -> None:
+        """Stop the reward and environment workers (the engine is the run's to shut down)."""
+        try:
+            self.scorer.close()
+        finally:
+            self.runner.close()
+
+    def metrics(self, trained: list, version: int) -> dict:
+        """Partial rollout's part of the step's metrics (partial.PartialRollout.metrics), over
+        this rank's `trained` samples; none without it."""
+        return self.partial.metrics(trained, version) if self.partial is not None else {}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the data position (every rank alike) and, with partial
+        rollout, this rank's carried groups."""
+        return {"drawn": self.drawn,
+                "carry": self.partial.state_dict() if self.partial is not None else None}
+
+    def resume(self, state: dict, step: int) -> None:
+        """The state of a checkpoint of `step` (checkpoint.load_checkpoint's: "drawn", and this
+        rank's "rank" state)."""
+        self.step, self.drawn = step, state.get("drawn", step * self.cfg.grpo.prompts_per_step)
+        if self.partial is not None:
+            self.partial.resume(state["rank"], step)

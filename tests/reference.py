@@ -1,0 +1,118 @@
+"""Plain statements of what the trainer computes another way, for tests to compare against: the
+logprobs and entropy of whole (N, T, V) logits, GRPO's loss on a padded batch, a padded batch
+itself, and the Ascend fused attention kernel's contract. Nothing here is called by the trainer.
+"""
+
+
+import torch
+
+import grpo
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """(N, T, V) logits, (N, T) targets -> (N, T) log p(target), in fp32: what logprobs.py
+    computes without ever holding (N, T, V) logits."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+@torch.no_grad()
+def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 256) -> float:
+    """Sum of the entropy of softmax(logits) over masked positions of (N, T, V) logits, chunk
+    rows at a time: the entropy metric that logprobs.py computes in its pass over the logits."""
+    rows = logits[mask.bool()]  # (n_tokens, V), in the logits' dtype
+    total = 0.0
+    for part in rows.split(chunk):
+        logp = part.float().log_softmax(-1)
+        total -= (logp.exp() * logp).sum().item()
+    return total
+
+
+def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None):
+    """Each token's term of GRPO's loss on (N, T) padded tensors, adv (N,): PPO's clipped
+    surrogate of exp(logp - old_logp), times the mismatch weight, plus kl_coef times the KL
+    estimate; and where the clip was active. Written apart from grpo.grpo_loss."""
+    ratio = (logp - old_logp).exp()
+    a = adv[:, None]
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a)
+    terms = -surrogate * is_weight
+    if ref_logp is not None and cfg.kl_coef > 0:
+        terms = terms + cfg.kl_coef * grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
+    clipped = ratio * a > ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a
+    return terms, clipped
+
+
+def padded_loss(logp, old_logp, adv, mask, cfg, n_tokens: float, n_seqs: float, max_len: int,
+                is_weight, ref_logp=None):
+    """GRPO's loss over a padded batch (N, T), normalised over a global mini-batch of n_tokens
+    response tokens in n_seqs sequences (grpo.loss_weights), and the (N, T) bool tokens where
+    the clip was active, on the mask."""
+    terms, clipped = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp)
+    weights = grpo.loss_weights(mask, cfg, n_tokens, n_seqs, max_len)
+    return (terms * weights).sum(), clipped & mask.bool()
+
+
+def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):
+    """Right-pad prompt+response sequences. Returns input_ids (N, T), attention (N, T), targets
+    (N, T-1), loss mask (N, T-1) over response tokens, and a dict of (N, T-1) tensors placed at
+    the response positions: "engine" (the engine's logp) and every entry of `per_token`, a list
+    with one sequence of per-response-token values for each sample."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    T = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T - 1)
+    values = {"engine": [s.logp for s in samples], **(per_token or {})}
+    padded = {k: torch.zeros(len(seqs), T - 1) for k in values}
+    for i, (s, x) in enumerate(zip(samples, seqs)):
+        ids[i, :len(x)] = torch.tensor(x)
+        attn[i, :len(x)] = 1
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        mask[i, p - 1:p - 1 + n] = 1  # position t predicts token t+1
+        for k, v in values.items():
+            padded[k][i, p - 1:p - 1 + n] = torch.as_tensor(v[i], dtype=torch.float32)
+    return ids, attn, ids[:, 1:], mask, padded
+
+
+def fusion_attention_reference(query, key, value, head_num, input_layout, atten_mask=None,
+                               scale=1.0, keep_prob=1.0, sparse_mode=0, actual_seq_qlen=None,
+                               actual_seq_kvlen=None, **unused):
+    """The Ascend fused attention kernel's contract (npu_ops.fusion_attention names its document)
+    for the two layouts npu_ops uses, in fp32:
+    - "TND": query (T, N, D), key/value (T, Nkv, D) holding samples end to end; actual_seq_qlen
+      and actual_seq_kvlen are the samples' cumulative ends (host ints), attention stays in a
+      sample;
+    - "BNSD": (B, N, S, D).
+    atten_mask is True where a score is masked out. sparse_mode 2 and 3 take the compressed
+    2048 x 2048 causal mask and mean causal within each sample (for a sample's equal query and
+    key lengths the two agree); 0 takes the mask as given ((B, 1, S, S) or (S, S)). Nkv must
+    divide N (grouped-query attention). No dropout. Returns (output,), as the kernel returns its
+    output first; the output has the query's dtype."""
+    if keep_prob != 1.0:
+        raise NotImplementedError("fusion_attention_reference: no dropout")
+    axis = -2 if input_layout == "TND" else 1  # the heads
+    assert query.shape[axis] == head_num and head_num % key.shape[axis] == 0, key.shape
+
+    def attend(q, k, v, mask):  # q (..., N, S, D); k, v (..., Nkv, S, D); mask True = out
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = (x.repeat_interleave(groups, dim=-3).float() for x in (k, v))
+        scores = (q.float() @ k.transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        return (scores.softmax(-1) @ v).to(q.dtype)
+
+    def causal(n, device):
+        return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+    if input_layout == "TND":
+        assert list(actual_seq_qlen) == list(actual_seq_kvlen), "self-attention only"
+        outs, start = [], 0
+        for end in actual_seq_qlen:  # host ints: no read of the device
+            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+            mask = causal(end - start, q.device) if sparse_mode in (2, 3) else None
+            outs.append(attend(q, k, v, mask).transpose(0, 1))
+            start = end
+        return (torch.cat(outs),)
+    assert input_layout == "BNSD", input_layout
+    mask = causal(query.shape[2], query.device) if sparse_mode in (2, 3) else atten_mask
+    return (attend(query, key, value, mask),)
