@@ -134,3 +134,15 @@ def test_no_product_function_only_tests_call():
               if name not in named and not name.startswith("__")}
     assert not unused, unused
 
+
+def test_every_python_file_is_lint_clean():
+    """pyflakes' checks (ruff F: unused or undefined names, imports; E9: syntax) on every Python
+    file of the repository, the sandbox's child program included. F811 is left out: a test
+    module imports pytest fixtures that its tests then take as arguments, which it counts as
+    redefinitions."""
+    ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
+    out = subprocess.run([ruff, "check", "--select", "F,E9", "--ignore", "F811", "--no-cache",
+                          "--output-format", "concise", "."], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
