@@ -9,6 +9,7 @@ name; `validate` checks the cross-section constraints before anything loads.
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import typing
@@ -171,6 +172,63 @@ def _section_fields(section, name: str):
                             "as Annotated[type, domains.X(...)] (domains.py)")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         yield f"{name}.{f.name}", value, found[0], default
+
+
+def field_comments(section: type) -> dict[str, str]:
+    """{field: its comment} of a section's dataclass, read from its source: the comment lines
+    just above the field, the comment on its own line, and the `#   ` lines that continue it."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(section))
+    comments = {t.start[0]: t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    lines = source.splitlines()  # lines[k - 1] is line k, as ast and tokenize count
+    out, previous = {}, None
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, k = [], node.lineno - 1  # the comment-only lines right above the field
+        while k in comments and lines[k - 1].lstrip().startswith("#"):
+            above.insert(0, k)
+            k -= 1
+        while above and comments[above[0]].startswith("#   ") and previous is not None:
+            out[previous] += " " + comments[above.pop(0)][1:].strip()  # continues the last one
+        own = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
+        text = [comments[i][1:].strip() for i in above] + [c[1:].strip() for c in own]
+        out[node.target.id], previous = " ".join(text), node.target.id
+    return out
+
+
+def help_text(tree: type, section: str | None = None) -> str:
+    """Every field of the config tree (one section's, with `section`), by section: its
+    `--section.key=default`, what it takes (its domain) and its comment in the source."""
+    cfg, rows = tree(), []
+    names = {f.name for f in dataclasses.fields(tree)}
+    if section is not None and section not in names:
+        raise BadInput(f"--help {section}: no such section{_closest(section, names)}; the "
+                       f"sections: {', '.join(sorted(names))}")
+    import inspect
+
+    comments, last = {}, None
+    for name, value, domain, default in fields(cfg):
+        *path, key = name.split(".")
+        if section is not None and path[0] != section:
+            continue
+        owner = type(functools.reduce(getattr, path, cfg))
+        if owner not in comments:
+            comments[owner] = field_comments(owner)
+        if ".".join(path) != last:
+            last = ".".join(path)
+            where = os.path.basename(inspect.getfile(owner))  # (train_grpo.py run as __main__)
+            rows.append(f"\n{last}: ({owner.__name__}, {where})")
+        rows.append(f"  --{name}={json.dumps(default)}  [{domain.describe()}]")
+        if comments[owner].get(key):
+            rows.append(f"      {comments[owner][key]}")
+    return "\n".join(rows).lstrip("\n")
 
 
 def validate(cfg, world_size: int) -> None:

@@ -16,6 +16,10 @@ import numbers
 
 
 class Domain:
+    def describe(self) -> str:
+        """What the field takes, for `--help` ("must be >= 2", "one of a, b")."""
+        raise NotImplementedError
+
     def problem(self, value) -> str | None:
         """None when `value` is in the domain, else what it must be ("must be >= 2")."""
         raise NotImplementedError
@@ -63,8 +67,11 @@ class OneOf(Domain):
     def __init__(self, *options):
         self.options = options
 
+    def describe(self) -> str:
+        return f"one of {', '.join(repr(o) if o == '' else str(o) for o in self.options)}"
+
     def problem(self, value):
-        return None if value in self.options else f"use one of {', '.join(map(str, self.options))}"
+        return None if value in self.options else f"use {self.describe()}"
 
     def outside(self) -> list:
         if all(isinstance(o, int) for o in self.options):
@@ -77,6 +84,9 @@ class Items(Domain):
 
     def __init__(self, item: Domain):
         self.item = item
+
+    def describe(self) -> str:
+        return f"a list, each item {self.item.describe()}"
 
     def problem(self, value):
         for i, v in enumerate(value):
@@ -95,6 +105,9 @@ class Anything(Domain):
     def __init__(self, why: str, refused: tuple = ()):
         self.why, self.refused = why, list(refused)
 
+    def describe(self) -> str:
+        return self.why
+
     def problem(self, value):
         return None
 
@@ -102,5 +115,5 @@ class Anything(Domain):
         return self.refused
 
 
-FLAG = Anything("true or false: any other value fails the type check")
+FLAG = Anything("true or false")
 DTYPE = OneOf("float32", "bfloat16", "float16")

@@ -67,14 +67,14 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: Annotated[float, Range(0, 1, lo_open=True)] = 1e-6
-    weight_decay: Annotated[float, Range(0, 1)] = 0.0
-    beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9
-    beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.999
+    lr: Annotated[float, Range(0, 1, lo_open=True)] = 1e-6  # AdamW's peak learning rate
+    weight_decay: Annotated[float, Range(0, 1)] = 0.0  # AdamW's decoupled weight decay
+    beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # AdamW's first-moment decay
+    beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.999  # second-moment decay
     warmup_steps: Annotated[int, Range(0)] = 0  # linear warmup from 0 to lr
     # constant | cosine (after warmup, down to min_lr_ratio * lr)
     schedule: Annotated[str, OneOf("constant", "cosine")] = "constant"
-    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0  # cosine: the last step's lr / lr
     grad_clip: Annotated[float, Range(0)] = 1.0  # max global grad norm; 0 disables
 
 

@@ -16,7 +16,7 @@ With the defaults this GRPO is, precisely:
   entropy bonus;
 - one optimizer step per rollout, so old_logp is the current policy's own (detached) logp, the
   ratio is 1, and the gradient is REINFORCE with group-normalised advantages (TIS-weighted).
-Variants, each a few lines selected by the `grpo:` config section (README has the table):
+Variants, each a few lines selected by the `grpo:` config section (docs/algorithm.md has the table):
 sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scaling, asymmetric
 clipping (DAPO), several epochs and mini-batches per rollout (PPO), a KL term to a frozen
 reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (DAPO), and
@@ -75,7 +75,7 @@ class GRPOConfig:
     overlong: Annotated[str, OneOf("none", "mask", "penalty")] = "none"
     # penalty: last N tokens before max_new_tokens ramp it to -factor
     overlong_buffer: Annotated[int, Range(0)] = 0
-    overlong_penalty_factor: Annotated[float, Range(0)] = 1.0
+    overlong_penalty_factor: Annotated[float, Range(0)] = 1.0  # the penalty at the limit
     # tokens per forward/backward on one rank (padding counts too when pack is false)
     micro_batch_tokens: Annotated[int, Range(1)] = 8192
     # a micro-batch is one row of samples end to end, no padding (fsdp_utils)

@@ -71,14 +71,14 @@ class RolloutConfig:
     kv_cache_memory_bytes: Annotated[int, Range(0)] = 0
     enforce_eager: Annotated[bool, FLAG] = True  # no graph capture (needs its own env on Ascend)
     enable_prefix_caching: Annotated[bool, FLAG] = True  # G samples of one prompt share its KV
-    enable_chunked_prefill: Annotated[bool, FLAG] = True
+    enable_chunked_prefill: Annotated[bool, FLAG] = True  # long prompts prefilled in chunks
     # KV-cache block in tokens; 0 = the platform's default (128 on CPU)
     block_size: Annotated[int, Range(0)] = 0
     # 2 = drop weights and KV cache; 1 = also copy weights to host (docs/engine.md, "Sleep")
     sleep_level: Annotated[int, OneOf(1, 2)] = 2
     temperature: Annotated[float, Range(0, lo_open=True)] = 1.0  # 0 is no sampling distribution
-    top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
-    max_new_tokens: Annotated[int, Range(1)] = 512
+    top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0  # nucleus sampling; 1 = off
+    max_new_tokens: Annotated[int, Range(1)] = 512  # a response's (a turn's) token limit
     seed: Annotated[int, Range(0)] = 0  # per engine group: seed + index of its group
     # weight sync: one all-gather per FSDP "unit" or per "tensor"
     sync_by: Annotated[str, OneOf("unit", "tensor")] = "unit"

@@ -38,9 +38,10 @@ class LogConfig:
     keep_checkpoints: Annotated[int, Range(1)] = 2  # newest complete checkpoints kept on disk
     # online | offline (synced later with `wandb sync`) | disabled
     wandb: Annotated[str, OneOf("online", "offline", "disabled")] = "disabled"
-    wandb_project: Annotated[str, Anything("a name: wandb takes any")] = "grpo"
+    wandb_project: Annotated[str, Anything("a name: wandb takes any")] = "grpo"  # its project
     # wandb run name; empty: the last part of out_dir
     run_name: Annotated[str, Anything("a name: wandb takes any")] = ""
+    # tags of the wandb run
     wandb_tags: Annotated[list[str], Anything("names: wandb takes any")] = field(
         default_factory=list)
 

@@ -70,7 +70,7 @@ log = logging.getLogger("grpo")
 
 @dataclass
 class TrainConfig:
-    steps: Annotated[int, Range(1)] = 100
+    steps: Annotated[int, Range(1)] = 100  # steps of the run: each a rollout and its update
     seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
     # continue from the newest checkpoint in log.out_dir, if there is one
     resume: Annotated[bool, FLAG] = False
@@ -389,10 +389,17 @@ def init_distributed() -> tuple[int, int]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
+                                     epilog="--section.key=value overrides a field of the config "
+                                     "file; --help SECTION lists one section's fields")
     parser.add_argument("--config", help="YAML file; further --section.key=value override it")
+    parser.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION",
+                        help="every config field by section: default, what it takes, its comment")
     args, overrides = parser.parse_known_args(argv)
     try:
+        if args.help is not None:  # generated from the config tree: nothing else to keep in sync
+            print(parser.format_help() + "\n" + config.help_text(Config, args.help or None))
+            return
         train(load_config(args.config, overrides))
     except config.BadInput as e:  # the user's input, found by our checks: one line, no traceback
         if int(os.environ.get("RANK", "0")) == 0:

@@ -358,3 +358,35 @@ def test_a_field_without_a_domain_is_refused():
 
     with pytest.raises(TypeError, match="train.steps states no domain"):
         list(config.fields(Tree()))
+
+
+def test_help_lists_every_field_with_its_default_domain_and_comment():
+    """`python train_grpo.py --help` prints the whole config tree from the dataclasses (no list
+    of its own): every field as --section.key=default with what it takes and its comment in the
+    source; `--help SECTION` one section; an unknown section is one line and exit 2."""
+    import functools
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def run(*args):
+        return subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT,
+                              capture_output=True, text=True)
+
+    out, cfg = run("--help").stdout, Config()
+    names = [name for name, *_ in config.fields(cfg)]
+    for name, value, domain, default in config.fields(cfg):
+        *path, key = name.split(".")
+        comment = config.field_comments(type(functools.reduce(getattr, path, cfg)))[key]
+        assert comment, f"{name} has no comment in its section's source"
+        line = f"  --{name}={json.dumps(default)}  [{domain.describe()}]\n      {comment}\n"
+        assert line in out, name
+    assert len(names) > 100 and len(re.findall(r"^  --\w+\.", out, re.M)) == len(names)
+    assert "G: responses sampled per prompt" in out  # a comment beside its field
+    env = run("--help", "env").stdout
+    assert "--env.workers=0" in env and "--grpo." not in env and "--model." not in env
+    bad = run("--help", "evn")
+    assert bad.returncode == 2 and "did you mean 'env'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
