@@ -16,7 +16,7 @@ NZ_CONFIG_SINCE = (0, 20, 2)
 LORA_SINCE = (0, 8, 4)
 
 
-# Combinations vLLM-Ascend documents together (its versioning policy); the README repeats them.
+# Combinations vLLM-Ascend documents together (its versioning policy); docs/platforms.md repeats them.
 # None was run by this project: no NPU is reachable from its machines.
 TESTED_NPU_STACKS = [
     {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"},

@@ -18,7 +18,7 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
     tensor until its whole layer has arrived: without the copy the engine read freed storage).
   - "tensor": one all-gather per parameter, of its shard cast to the engine's dtype first (a
     bf16 engine: half the bytes of the fp32 shards on the wire), handed over, dropped.
-  bench/weight_sync.py times both (the README has what it printed).
+  bench/weight_sync.py times both (docs/benchmarks.md has what it printed).
 With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
 whole (all of them in one all-gather: `gather_rows`) into `rollout.Engine.load_adapter`, which
 writes them into the engine's adapter slot in place; the engine's base never changes.

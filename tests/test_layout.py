@@ -14,7 +14,7 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.main_only  # the code's shape: no library version enters it
 
-# file -> project modules it may import (README's Files table; tiny_task is the built-in task)
+# file -> project modules it may import (the README's file map; tiny_task is the built-in task)
 ALLOWED = {
     "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
