@@ -48,3 +48,17 @@ def tiny_models(tiny_task_dir, tmp_path_factory):
 
     qwen3 = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny3") / "task"), arch="qwen3")
     return {"qwen2": f"{tiny_task_dir}/model", "qwen3": f"{qwen3}/model"}
+
+
+def crashed_copy(run_dir, crashed_dir, step: int) -> None:
+    """What a run that crashed after its step-`step` checkpoint leaves, made from a finished run
+    of the same config and seeds (the steps are exact: rollout.seed_per_step): that checkpoint,
+    and the logs with the finished run's later rows in them, which resume must drop."""
+    import shutil
+
+    name = f"step_{step:06d}"
+    shutil.copytree(os.path.join(run_dir, "checkpoints", name),
+                    os.path.join(crashed_dir, "checkpoints", name))
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        if os.path.exists(os.path.join(run_dir, log)):
+            shutil.copy(os.path.join(run_dir, log), os.path.join(crashed_dir, log))

@@ -18,13 +18,24 @@ KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s",
 
 
 @pytest.mark.engine
-def test_two_rank_run_learns(tmp_path):
-    """From nothing: the run itself creates the tiny task (one writer, two ranks)."""
+def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
+    """From nothing: the run itself creates the tiny task (one writer, two ranks). Its reward is
+    a module:function of the user's (a module of its own on PYTHONPATH, not of this
+    repository), and that is what the run optimises: the tiny model learns from it alone."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def first_number_is_sum(completion, example):\n"
+        "    digits = ''\n"
+        "    for ch in completion.lstrip():\n"
+        "        if not ch.isdigit():\n"
+        "            break\n"
+        "        digits += ch\n"
+        "    return 1.0 if digits and digits == str(example['answer']) else 0.0\n")
     out_dir, task_dir = tmp_path / "run", tmp_path / "task"
     steps = 60
     out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
                   f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}",
-                  "--log.eval_every=0"], timeout=900)
+                  "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum"],
+                 timeout=900, env={"PYTHONPATH": python_path(tmp_path)})
     assert f"step {steps}/{steps} | reward" in out  # the per-step line
     # no warning printed at every step, i.e. `steps` times or more (vLLM's "RotaryEmbedding:
     # Failed to load weights" came at every sync on every rank; rollout.py drops it). Digits
@@ -44,6 +55,7 @@ def test_two_rank_run_learns(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > 2 * first and last > 0.1, (first, last)
+    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
     assert all(r["logp_gap"] < 1e-4 for r in rows)  # fp32 engine == fp32 trainer
     assert all(r["tokens_per_s"] > 0 and r["sync_time_s"] > 0 for r in rows)
 
@@ -186,32 +198,6 @@ def test_two_nodes_of_one_rank(tmp_path):
     assert "eval_pass1" in rows[1] and "eval_pass1" in rows[-1]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_000002", "step_000004"]
     assert len(os.listdir(tmp_path / "run" / "checkpoints" / "step_000004")) >= 4  # 2 ranks' files
-
-
-@pytest.mark.engine
-@pytest.mark.main_only  # reward plumbing: no library version enters
-def test_plugin_reward_trains(tiny_task_dir, tmp_path):
-    """A reward given as module:function in config (a module of the user's, not of this
-    repository) is what the run optimises: the tiny model learns from it alone."""
-    (tmp_path / "my_rewards.py").write_text(
-        "def first_number_is_sum(completion, example):\n"
-        "    digits = ''\n"
-        "    for ch in completion.lstrip():\n"
-        "        if not ch.isdigit():\n"
-        "            break\n"
-        "        digits += ch\n"
-        "    return 1.0 if digits and digits == str(example['answer']) else 0.0\n")
-    steps, out_dir = 50, tmp_path / "run"
-    out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
-                  f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
-                  "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum"],
-                 timeout=900, env={"PYTHONPATH": python_path(tmp_path)})
-    assert f"step {steps}/{steps} | reward" in out
-    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    assert last > 2 * first and last > 0.1, (first, last)
-    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
 
 
 @pytest.mark.engine

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import crashed_copy, launch
 
 pytestmark = pytest.mark.engine
 
@@ -29,7 +29,7 @@ def test_resume_from_an_adapter_checkpoint_matches_the_uninterrupted_run(tiny_ta
                                                                           tmp_path):
     """configs/lora_cpu.yaml, shortened, with episodes of two turns (the built-in retry) and a
     KL term against the base, seeded per step, a checkpoint every 2 steps: stopped after 3 and
-    resumed from step 2, it continues as the run that never stopped (rewards, KL, grad norms,
+    resumed from step 2 (the stopped run's files: conftest.crashed_copy), it continues as the run that never stopped (rewards, KL, grad norms,
     the exported adapter and merged weights); the checkpoint holds the adapters and their
     optimizer state only."""
     common = ["train_grpo.py", "--config", "configs/lora_cpu.yaml",
@@ -38,7 +38,7 @@ def test_resume_from_an_adapter_checkpoint_matches_the_uninterrupted_run(tiny_ta
               "--grpo.kl_coef=0.01", "--env.name=retry", "--env.max_tokens=16"]
     a, b = tmp_path / "a", tmp_path / "b"
     launch(common + ["--train.steps=4", f"--log.out_dir={a}"], timeout=900)
-    launch(common + ["--train.steps=3", f"--log.out_dir={b}"], timeout=900)
+    crashed_copy(a, b, 2)  # stopped after step 3, its newest checkpoint at step 2
     meta = dcp.FileSystemReader(str(b / "checkpoints" / "step_000002")).read_metadata()
     keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
     assert keys and all(".lora_" in k for k in keys), keys[:5]

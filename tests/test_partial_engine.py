@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import crashed_copy, launch
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,7 @@ def rows(path):
 def test_resume_restores_the_carried_groups_exactly(tiny_task_dir, tmp_path):
     """configs/multiturn_cpu.yaml with partial rollout (2-token rounds, 1.5x the groups in
     flight) and dynamic sampling, seeded per step, checkpointed every 2 steps. A run that
-    stopped after step 3 and resumes from step 2, whose checkpoint holds groups in flight
+    stopped after step 3 (its files: conftest.crashed_copy) and resumes from step 2, whose checkpoint holds groups in flight
     (episodes between turns and mid-turn), continues exactly as the run that never stopped:
     the same rewards, lengths and carried counts, the same gradient norms and weights."""
     common = ["train_grpo.py", "--config", "configs/multiturn_cpu.yaml",
@@ -41,7 +41,7 @@ def test_resume_restores_the_carried_groups_exactly(tiny_task_dir, tmp_path):
               "--grpo.dynamic_sampling=true", "--grpo.max_gen_rounds=2"]
     a, b = tmp_path / "a", tmp_path / "b"
     launch(common + ["--train.steps=4", f"--log.out_dir={a}"], timeout=900)
-    launch(common + ["--train.steps=3", f"--log.out_dir={b}"], timeout=900)
+    crashed_copy(a, b, 2)  # stopped after step 3, its newest checkpoint at step 2
     out = launch(common + ["--train.steps=4", "--train.resume=true", f"--log.out_dir={b}"],
                  timeout=900)
     carried = re.search(r"partial rollout: resumed (\d+) carried groups", out)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
-from conftest import ROOT, free_port, launch, python_path
+from conftest import ROOT, crashed_copy, free_port, launch, python_path
 
 
 def rows(path):
@@ -27,13 +27,13 @@ def test_resume_matches_uninterrupted_run(tiny_task_dir, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     launch(common + ["--train.steps=6", f"--log.out_dir={a}"])
     # the "crash": a run that stopped after step 5, its newest checkpoint at step 3
-    launch(common + ["--train.steps=5", f"--log.out_dir={b}"])
-    assert [r["step"] for r in rows(b / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    crashed_copy(a, b, 3)
+    assert [r["step"] for r in rows(b / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     out = launch(common + ["--train.steps=6", "--train.resume=true", f"--log.out_dir={b}"])
     assert "continuing after step 3" in out
 
     ra, rb = rows(a / "metrics.jsonl"), rows(b / "metrics.jsonl")
-    assert [r["step"] for r in rb] == list(range(1, 7))  # steps 4-5 of the crash were replaced
+    assert [r["step"] for r in rb] == list(range(1, 7))  # steps 4-6 of the crash were replaced
     for x, y in zip(ra, rb):
         assert x["reward_mean"] == y["reward_mean"] and x["response_len_mean"] == y["response_len_mean"]
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-6 * x["grad_norm"], (x["step"], x, y)
