@@ -1,7 +1,9 @@
+import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -21,17 +23,105 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None) -> str:
-    """Run `args` under torchrun with `nproc` CPU ranks; fail the test with its output on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}")
+class ForkServer:
+    """tests/forkserver.py, started on first use and kept for the session: jobs forked from a
+    process that has already imported torch, transformers and vLLM."""
+
+    def __init__(self):
+        self.proc = None
+
+    def run(self, argv: list[str], nproc: int, ranks: bool, env: dict, timeout: float,
+            stdout: str, stderr: str) -> int:
+        """Run a job to its end: its exit code."""
+        self.submit(argv, nproc, ranks, env, timeout, stdout, stderr)
+        return self.answer()
+
+    def submit(self, argv: list[str], nproc: int, ranks: bool, env: dict, timeout: float,
+               stdout: str, stderr: str) -> None:
+        """Start a job (one at a time: answer() before the next)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "tests/forkserver.py"], cwd=ROOT,
+                                         env=base_env(), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self.job = dict(argv=argv, nproc=nproc, ranks=ranks, env=env, timeout=timeout,
+                        stdout=stdout, stderr=stderr)
+        self.proc.stdin.write(json.dumps(self.job) + "\n")
+        self.proc.stdin.flush()
+
+    def answered(self) -> bool:
+        """Whether the submitted job has ended (its answer is waiting)."""
+        import select
+
+        return bool(select.select([self.proc.stdout], [], [], 0)[0])
+
+    def answer(self) -> int:
+        """The submitted job's exit code, once it has ended."""
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"tests/forkserver.py exited {self.proc.wait()} (its stderr is above)")
+        result = json.loads(answer)
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(self.job["argv"], self.job["timeout"])
+        return result["rc"]
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+FORKS = ForkServer()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    FORKS.close()
+
+
+def base_env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **extra}
+
+
+def launch(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None,
+           torchrun: bool = False) -> str:
+    """Run `args` (a script and its arguments) on `nproc` CPU ranks and return their output;
+    fail the test with it on error. The ranks are forked from tests/forkserver.py with the
+    environment torchrun gives its ranks; `torchrun=True` starts torchrun itself (the product's
+    own launch, ~8 s slower)."""
+    full_env = base_env(**(env or {}))
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            log = os.path.join(d, "out")
+            code = FORKS.run(args, nproc, True, full_env, timeout, log, log)
+            out = read(log)
+    if code != 0:
+        pytest.fail(f"{' '.join(args)} exited {code}:\n{out[-6000:]}")
     return out
+
+
+def run_python(args: list[str], env: dict | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python ARGS` in ROOT, as a user runs it (one process, no torchrun), forked from
+    tests/forkserver.py: its exit code, stdout and stderr."""
+    full_env = {k: v for k, v in base_env(**(env or {})).items()
+                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with tempfile.TemporaryDirectory() as d:
+        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+        code = FORKS.run(args, 1, False, full_env, timeout, out, err)
+        return subprocess.CompletedProcess(args, code, read(out), read(err))
+
+
+def read(path: str) -> str:
+    """A job's output file ("" if the job ended before it opened it)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import pytest
 
 import config
 from config import validate
+from conftest import run_python
 from train_grpo import Config, load_config, resolve
 
 
@@ -228,12 +229,6 @@ def test_ascend_refuses_sampling_its_logprobs_do_not_match(monkeypatch, override
 def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
     """As a user runs it (plain python, world size 1): exit code 2, one `error:` line naming the
     field, no Python traceback, before any model loads."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("data:\n  path: x\n max_prompt_len: 3\n")
     rows = tmp_path / "rows.jsonl"
@@ -265,8 +260,7 @@ def test_bad_input_is_one_line_not_a_traceback(case, tiny_task_dir, tmp_path):
         "env": (base + [f"--data.path={good}", "--env.name=no_such_env_module:fn"], "env.name"),
         "empty": (base + [f"--data.path={empty}"], "no rows (an empty file or dataset)"),
     }[case]
-    out = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_python(["train_grpo.py", *args], timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
@@ -279,12 +273,7 @@ def test_an_error_inside_another_library_keeps_its_traceback(tiny_task_dir, tmp_
     (its tokenizer.json cut short: a ValueError raised inside AutoTokenizer, which the one-line
     path used to swallow): the run stops with transformers' own traceback, not as a one-line
     `error:` about the user's input."""
-    import os
     import shutil
-    import subprocess
-    import sys
-
-    from conftest import ROOT
 
     model = tmp_path / "model"
     shutil.copytree(f"{tiny_task_dir}/model", model)
@@ -292,8 +281,7 @@ def test_an_error_inside_another_library_keeps_its_traceback(tiny_task_dir, tmp_
     args = ["--config", "configs/tiny_cpu.yaml", f"--model.path={model}", "--data.tiny_task_dir=",
             f"--data.path={tiny_task_dir}/train.jsonl", f"--log.out_dir={tmp_path / 'run'}",
             "--log.eval_every=0"]
-    out = subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_python(["train_grpo.py", *args], timeout=300)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" in out.stderr and "JSONDecodeError" in out.stderr
     assert "from_pretrained" in out.stderr  # raised inside transformers' loading
@@ -366,14 +354,8 @@ def test_help_lists_every_field_with_its_default_domain_and_comment():
     source; `--help SECTION` one section; an unknown section is one line and exit 2."""
     import functools
     import json
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     def run(*args):
-        return subprocess.run([sys.executable, "train_grpo.py", *args], cwd=ROOT,
-                              capture_output=True, text=True)
+        return run_python(["train_grpo.py", *args], timeout=300)
 
     out, cfg = run("--help").stdout, Config()
     names = [name for name, *_ in config.fields(cfg)]

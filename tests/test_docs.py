@@ -28,11 +28,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, python_path
+from conftest import ROOT, run_python
 
 pytestmark = pytest.mark.main_only  # the docs against the code: no library version enters it
 
@@ -303,8 +302,7 @@ def sh_commands() -> list[tuple[str, list[str]]]:
 @functools.cache
 def run_help(*args: str) -> tuple[int, str]:
     """`python ARGS` in the repo (a --help): its exit code and output."""
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": python_path()})
+    proc = run_python(list(args), timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 

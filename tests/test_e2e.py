@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launch, python_path
+from conftest import ROOT, launch, python_path, run_python
 
 KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s", "sync_time_s",
         "train_time_s", "logprobs_time_s", "tokens_per_s", "reward_time_s", "logp_gap",
@@ -156,15 +156,11 @@ import torch.distributed as dist
 assert not dist.is_initialized()  # the run's close() left the process group
 print("REWARDS", json.dumps(rewards))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env = {**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, proc.stderr[-4000:]
     stepped = json.loads(proc.stdout.split("REWARDS", 1)[1])
-    plain = subprocess.run([sys.executable, "train_grpo.py", "--config", "configs/tiny_cpu.yaml",
-                            *args, f"--log.out_dir={tmp_path / 'plain'}"], cwd=ROOT,
-                           capture_output=True, text=True, env=env, timeout=600)
+    plain = run_python(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", *args,
+                        f"--log.out_dir={tmp_path / 'plain'}"])
     assert plain.returncode == 0, plain.stderr[-4000:]
     rows = [json.loads(line) for line in open(tmp_path / "plain" / "metrics.jsonl")]
     assert [r["reward_mean"] for r in rows] == stepped
@@ -207,7 +203,7 @@ def test_multi_turn_run(tiny_task_dir, tmp_path):
     in between, through the real loop. The engine's logprobs of the model's tokens equal the
     trainer's at every step (fp32: the replies are context, not compared), episodes really take
     a second turn, and the second chances teach the model."""
-    steps, out_dir = 50, tmp_path / "run"  # the full config: 200 steps
+    steps, out_dir = 30, tmp_path / "run"  # the full config: 200 steps
     out = launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml",
                   f"--train.steps={steps}", f"--data.tiny_task_dir={tiny_task_dir}",
                   f"--log.out_dir={out_dir}", "--log.eval_every=0"], timeout=900)

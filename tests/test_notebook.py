@@ -2,14 +2,11 @@
 caller's config and logging, close()."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, python_path
+from conftest import run_python
 
 pytestmark = pytest.mark.engine
 
@@ -27,11 +24,8 @@ def uninterrupted(tiny_task_dir, tmp_path_factory):
 
 
 def caught_error_run(config: str, mode: str, task_dir: str, out: str):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "tests/workers/caught_error.py", config, mode, task_dir,
-                           f"{out}/run", f"{out}/last"], cwd=ROOT, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"},
-                          timeout=600)
+    proc = run_python(["tests/workers/caught_error.py", config, mode, task_dir, f"{out}/run",
+                       f"{out}/last"])
     assert proc.returncode == 0 and "CAUGHT_ERROR_DONE" in proc.stdout, proc.stderr[-4000:]
     assert ("CAUGHT" in proc.stdout.replace("CAUGHT_ERROR_DONE", "")) == (mode != "none")
     with open(f"{out}/last.json") as f:
@@ -119,8 +113,5 @@ assert not dist.is_initialized() and train_grpo.open_run() is None
 run.close()  # again: nothing left to do, no error
 print("NOTEBOOK_OK")
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"},
-                          timeout=600)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0 and "NOTEBOOK_OK" in proc.stdout, proc.stderr[-4000:]

@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
-from conftest import ROOT, crashed_copy, free_port, launch, python_path
+from conftest import FORKS, base_env, crashed_copy, launch
 
 
 def rows(path):
@@ -61,27 +59,19 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tiny_task_dir, tmp_path):
     common = ["--config", "configs/tiny_cpu.yaml", f"--data.tiny_task_dir={tiny_task_dir}",
               "--log.eval_every=0", "--grpo.prompts_per_step=16", "--log.save_every=2",
               f"--log.out_dir={out}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "tests/workers/kill_in_checkpoint.py", str(marker), "4",
-           *common, "--train.steps=6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    with open(tmp_path / "log", "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: torchrun and its ranks
-        deadline = time.time() + 600
-        while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
-            assert proc.poll() is None, open(tmp_path / "log").read()[-4000:]
-            assert time.time() < deadline, "the step-4 checkpoint was never reached"
-            time.sleep(0.2)
-        ranks = [int(open(f"{marker}.{r}").read()) for r in (0, 1)]
-        for pid in ranks:  # the crash: every rank, then torchrun
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        deadline = time.time() + 30
-        while any(running(pid) for pid in ranks):  # gone, not left sleeping for an hour
-            assert time.time() < deadline, "a rank survived SIGKILL"
-            time.sleep(0.1)
+    log = str(tmp_path / "log")
+    FORKS.submit(["tests/workers/kill_in_checkpoint.py", str(marker), "4", *common,
+                  "--train.steps=6"], 2, True, base_env(), 600, log, log)
+    deadline = time.time() + 600
+    while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
+        assert not FORKS.answered(), open(log).read()[-4000:]
+        assert time.time() < deadline, "the step-4 checkpoint was never reached"
+        time.sleep(0.2)
+    ranks = [int(open(f"{marker}.{r}").read()) for r in (0, 1)]
+    for pid in ranks:  # the crash
+        os.kill(pid, signal.SIGKILL)
+    assert FORKS.answer() == 128 + signal.SIGKILL  # the job's ranks, reaped
+    assert not any(running(pid) for pid in ranks)  # gone, not left sleeping for an hour
     ckpts = out / "checkpoints"
     assert (ckpts / "step_000004.tmp").is_dir()  # the write really was cut short
     assert not (ckpts / "step_000004").exists()

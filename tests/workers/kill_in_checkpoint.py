@@ -1,8 +1,9 @@
 """The trainer as torchrun runs it, except that the checkpoint of step KILL_STEP stops after its
 shards are written, before it is complete, and waits there to be killed (a crash mid-write).
 Usage: torchrun ... tests/workers/kill_in_checkpoint.py MARKER KILL_STEP [train_grpo.py args]
-Each rank writes its process id into MARKER.<rank> once it is waiting (torchrun starts each rank
-in a session of its own, so killing torchrun's process group leaves the ranks running).
+Each rank writes its process id into MARKER.<rank> once it is waiting, for the test to kill it
+(torchrun starts each rank in a session of its own, and so does tests/forkserver.py: killing the
+launcher's process group would leave the ranks running).
 """
 
 import os
