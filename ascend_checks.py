@@ -42,15 +42,88 @@ def release(version: str | None) -> tuple | None:
     return Version(version).release if version else None
 
 
+def chip_type(soc_version: int) -> str:
+    """The device type of a chip from torch_npu.npu.get_soc_version(), as vLLM-Ascend 0.23 names
+    it (utils.py check_ascend_device_type: 220-225 A2, 250-255 A3, 200-205 310P, 260 A5)."""
+    for low, high, name in ((220, 225, "A2"), (250, 255, "A3"), (200, 205, "_310P"),
+                            (260, 260, "A5")):
+        if low <= soc_version <= high:
+            return name
+    return f"unknown (soc_version {soc_version})"
+
+
+A3_FIX = ("vLLM-Ascend's A3 image (quay.io/ascend/vllm-ascend:v0.23.0-a3), or vllm-ascend built "
+          "from source with SOC_VERSION=ascend910_9391 (its installation guide)")
+
+
+def check_device_type(build: str | None, soc_version: int) -> None:
+    """vLLM-Ascend's wheel is built for one device type (its _build_info.__device_type__; both
+    PyPI wheels of 0.23.0 say 'A2'), and NPUWorker.__init__ stops the engine when the chip is
+    another (0.23 worker/worker.py:124 -> utils.py:845-866). Raises ValueError with the fix
+    before anything loads; `build` None: no vLLM-Ascend, nothing to compare."""
+    chip = chip_type(soc_version)
+    if build is not None and chip != build:
+        fix = A3_FIX if chip == "A3" else f"a vllm-ascend built for {chip}"
+        raise ValueError(f"this node's chip is {chip} (soc_version {soc_version}) but the "
+                         f"installed vllm-ascend was built for {build}: its NPUWorker would stop "
+                         f"the engine at start. Fix: {fix}")
+
+
+def _has_nnal(env: dict) -> bool:
+    """NNAL's ATB is set up (its set_env.sh exports ATB_HOME_PATH and puts libatb.so on
+    LD_LIBRARY_PATH), or libatb.so is on LD_LIBRARY_PATH some other way."""
+    import os
+
+    return bool(env.get("ATB_HOME_PATH")) or any(
+        os.path.exists(os.path.join(d, "libatb.so"))
+        for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d)
+
+
+def _engine_start(errors: list, warnings: list, env: dict, versions: dict,
+                  matmul_allreduce: bool, tp_size: int, soc: str | None) -> None:
+    """check_ascend's checks of what the engine loads at start: NNAL, the fused matmul +
+    all-reduce (MC2)."""
+    if versions.get("vllm-ascend") and not _has_nnal(env):
+        # NPUWorker.__init__ calls torch-npu's _register_atb_extensions (0.23 worker/worker.py),
+        # which raises OSError "Please run 'source set_env.sh' in the NNAL installation path"
+        # when libop_plugin_atb.so cannot load libatb.so (torch_npu op_plugin/atb/_atb_ops.py)
+        errors.append("NNAL (libatb.so) is not set up in this shell: ATB_HOME_PATH is unset and "
+                      "no LD_LIBRARY_PATH directory has libatb.so, so vLLM-Ascend's NPUWorker "
+                      "would fail loading torch-npu's ATB operators at engine start. Fix: "
+                      "source /usr/local/Ascend/nnal/atb/set_env.sh (NNAL 9.1.0)")
+    if matmul_allreduce and env.get("HCCL_OP_EXPANSION_MODE") == "AIV":
+        errors.append("rollout.matmul_allreduce=true with HCCL_OP_EXPANSION_MODE=AIV: the fused "
+                      "matmul + all-reduce (MC2) kernels have hung under AIV expansion "
+                      "(vllm-ascend issues #14928, #3881). Fix: unset HCCL_OP_EXPANSION_MODE "
+                      "(the trainer then leaves it to HCCL), or rollout.matmul_allreduce=false")
+    if matmul_allreduce and soc not in ("A2", None):
+        errors.append(f"rollout.matmul_allreduce=true on {soc}: vLLM-Ascend documents its fused "
+                      "matmul + all-reduce (npu_mm_all_reduce_base) for A2 only. Fix: "
+                      "rollout.matmul_allreduce=false")
+    if matmul_allreduce:
+        warnings.append("rollout.matmul_allreduce=true: the fused matmul + all-reduce (MC2) has "
+                        "not been measured with sleep mode and weight reload; "
+                        + ("it does nothing at rollout.tp_size=1" if tp_size == 1 else
+                           "watch logp_gap and the first steps' times"))
+    if env.get("VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE") is not None:
+        warnings.append("VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE is ignored: the engine gets "
+                        "additional_config.enable_matmul_allreduce from rollout.matmul_allreduce "
+                        f"({str(matmul_allreduce).lower()})")
+
+
 def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, lora: bool = False) -> list:
-    """Ascend misconfigurations, each as one line naming the setting and the fix.
+                 top_p: float = 1.0, lora: bool = False, matmul_allreduce: bool = False,
+                 tp_size: int = 1, soc: str | None = None) -> list:
+    """Ascend misconfigurations, each as one line naming the setting and the fix. `env` is the
+    user's environment (without the defaults npu_ops sets), `soc` the device type vLLM-Ascend
+    was built for (npu_ops.ascend_soc).
 
     Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
     """
     from packaging.version import Version
 
     errors, warnings = [], []
+    _engine_start(errors, warnings, env, versions, matmul_allreduce, tp_size, soc)
     if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
         errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): "
                       "torch-npu refuses graph capture at level 2. Fix: export "

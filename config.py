@@ -246,7 +246,8 @@ def validate(cfg, world_size: int) -> None:
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
         npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
         npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p,  # graph mode,
-                               cfg.model.lora.rank > 0)  # sampling, LoRA
+                               cfg.model.lora.rank > 0, r.matmul_allreduce,  # sampling, LoRA,
+                               r.tp_size)  # the fused matmul + all-reduce
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules

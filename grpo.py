@@ -370,7 +370,8 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
     if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return [torch.zeros(0)] * len(samples), stats
     actor.train()
-    plan, found = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack), []
+    plan, found = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack,
+                                            actor.config), []
     for k, idx in enumerate(plan):
         batch = [samples[i] for i in idx] or [logprobs.DUMMY]
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None

@@ -53,14 +53,17 @@ DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], trun
 PREPARED_MASKS = ("qwen2", "qwen3")
 
 
-def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False,
+                       max_samples: int = 0) -> list[list[int]]:
     """Group indices, longest first, so that each group fits `budget` tokens: packed, its total
-    length (first fit); padded, its (count x max length)."""
+    length (first fit), and at most `max_samples` samples (0: any number); padded, its (count x
+    max length)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if packed:
         batches, room = [], []
         for i in order:
-            fits = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+            fits = next((b for b, r in enumerate(room) if lengths[i] <= r and not (
+                max_samples and len(batches[b]) >= max_samples)), None)
             if fits is None:
                 batches.append([])
                 room.append(budget)
@@ -77,11 +80,23 @@ def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False) ->
     return batches + [cur] if cur else batches
 
 
-def micro_batch_plan(samples: list, budget: int, packed: bool) -> list[list[int]]:
+def packed_sample_cap(config) -> int:
+    """The most samples one packed row may hold under the model's attention: what its attention
+    function declares (npu_ops.fusion_attention.max_samples: the fused kernel's limit), else 0,
+    no limit."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fn = ALL_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "")
+    return getattr(fn, "max_samples", 0)
+
+
+def micro_batch_plan(samples: list, budget: int, packed: bool, config=None) -> list[list[int]]:
     """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
-    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward."""
+    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward.
+    Packed rows hold at most as many samples as the model's attention takes
+    (packed_sample_cap)."""
     plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
-                              packed)
+                              packed, packed_sample_cap(config) if packed else 0)
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))
@@ -338,7 +353,7 @@ def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature:
     (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
     model.eval()
     found = []
-    for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack):
+    for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, model.config):
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config), device)
         found.append((idx, run(model, mb, temperature, cfg.logprob_chunk)["logp"], mb.lengths))

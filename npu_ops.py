@@ -43,29 +43,28 @@ def npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
-def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 1,
-                        soc: str | None = None) -> dict:
+def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
+                        matmul_allreduce: bool = False) -> dict:
     """The environment an RL run on Ascend wants (not run here; sources named):
     - TASK_QUEUE_ENABLE: 2 dispatches more work on a second thread (faster in eager mode), but
       torch_npu refuses graph capture with it, so graph mode needs 1;
     - HCCL_OP_EXPANSION_MODE=AIV: collectives scheduled by the AI vector cores, not the AI CPU;
+      left to HCCL with `matmul_allreduce` (rollout.matmul_allreduce): MC2-family kernels have
+      hung under AIV expansion (vllm-ascend issues #14928, #3881);
     - VLLM_ASCEND_ENABLE_NZ=0: vLLM-Ascend 0.23's NPUWorker.wake_up (worker/worker.py) raises
       "FRACTAL_NZ mode is enabled" unless the weight NZ mode is 0, and its default is 1 (envs.py);
     - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
     - CPU_AFFINITY_CONF=1: torch_npu binds its threads (main, task queue, release, HCCL watchdog)
       to its card's share of the cores (NPUAffinityController.cpp); 2 gives each its own core.
-      vLLM-Ascend's process-wide binding is switched off instead (`engine_kwargs`);
-    - VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE=1 for a tensor-parallel engine on A2 (910B): vLLM-Ascend
-      0.23 then runs each RowParallelLinear as one fused matmul + all-reduce (ops/linear_op.py,
-      npu_mm_all_reduce_base when tp_size > 1); envs.py documents it for A2 only. Its fused path
-      skips the layer's quantisation method: fine for the bf16 weights we sync.
-    `soc` is vLLM-Ascend's build target ('A2', 'A3', ...; `ascend_soc`)."""
-    env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "HCCL_OP_EXPANSION_MODE": "AIV",
-           "VLLM_ASCEND_ENABLE_NZ": "0", "CPU_AFFINITY_CONF": "1"}
+      vLLM-Ascend's process-wide binding is switched off instead (`engine_kwargs`).
+    The fused matmul + all-reduce (MC2) is no variable here: `engine_kwargs` passes
+    rollout.matmul_allreduce to the engine (off by default)."""
+    env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "VLLM_ASCEND_ENABLE_NZ": "0",
+           "CPU_AFFINITY_CONF": "1"}
+    if not matmul_allreduce:
+        env["HCCL_OP_EXPANSION_MODE"] = "AIV"
     if sleep_mode:
         env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:False"
-    if tp_size > 1 and soc == "A2":
-        env["VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"] = "1"
     return env
 
 
@@ -189,6 +188,52 @@ def device_memory_used_gb() -> float | None:
     return (total - free) / 2**30
 
 
+def device_free_gb() -> float | None:
+    """Device memory free for any allocator to map (GiB); None on CPU."""
+    if device_type() == "cpu":
+        return None
+    return device_module().mem_get_info()[0] / 2**30
+
+
+def internal_format(t: torch.Tensor) -> int | None:
+    """On Ascend: the NPU storage format of `t` where it is not one whose storage holds the
+    elements in order (ND 2, NCHW 0, NHWC 1), e.g. FRACTAL_NZ 29 (torch_npu.get_npu_format;
+    op-plugin docs, npu_format_cast's table). vLLM-Ascend turns internal formats on for the
+    whole process at import of its model runner (0.23 worker/model_runner_v1.py:201,
+    torch.npu.config.allow_internal_format = True). None elsewhere (unless a test's STAND_IN
+    answers get_npu_format), and for plain formats."""
+    if device_type() != "npu" and not hasattr(STAND_IN, "get_npu_format"):
+        return None
+    fmt = int(torch_npu().get_npu_format(t))
+    return None if fmt in (0, 1, 2) else fmt
+
+
+def sleep_allocator():
+    """On Ascend, vLLM-Ascend's sleep-mode allocator (0.23 device_allocator/camem.py
+    CaMemAllocator), whose table says what each wake maps back; None elsewhere."""
+    if device_type() != "npu":
+        return None
+    from vllm_ascend.device_allocator.camem import CaMemAllocator
+
+    return CaMemAllocator.get_instance()
+
+
+def profiler(trace_dir: str, worker: str):
+    """An unstarted profiler whose trace goes to `trace_dir` when it stops, as TensorBoard's
+    trace handler writes it (Perfetto opens the JSON too): torch's on CPU and CUDA; on Ascend
+    torch_npu's, with NPU activity (op-plugin docs, torch_npu.profiler.profile: the same
+    arguments, its own ProfilerActivity and tensorboard_trace_handler), never run here."""
+    if device_type() == "npu":
+        prof = torch_npu().profiler
+        activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
+    else:
+        prof = torch.profiler
+        activities = [prof.ProfilerActivity.CPU] + (
+            [prof.ProfilerActivity.CUDA] if device_type() == "cuda" else [])
+    return prof.profile(activities=activities,
+                        on_trace_ready=prof.tensorboard_trace_handler(trace_dir, worker))
+
+
 # ----------------------------------------------------------------------------------------------
 # 2) environment that depends on the config
 
@@ -211,18 +256,22 @@ def _interactive() -> bool:
             or "ipykernel" in sys.modules)
 
 
-def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 1) -> dict:
+def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
+              matmul_allreduce: bool = False) -> dict:
     """Set the environment defaults that depend on the config, before the device, the process
     group or the engine initialise (torch_npu reads these then, not at import: section 0). A
-    value the user set is kept. Returns {name: (value, source)} for the start-up log; source is
-    "user", "default", or "torch_npu" for the task queue level it forces to 0 in an interactive
+    value the user set is kept; a default this module set at import that the config rules out
+    is taken back. Returns {name: (value, source)} for the start-up log; source is "user",
+    "default", or "torch_npu" for the task queue level it forces to 0 in an interactive
     session (kept: torch_npu warns against raising it there)."""
     if npu_installed():
-        wanted = ascend_env_defaults(graph_mode, sleep_mode, tp_size, ascend_soc())
+        wanted = ascend_env_defaults(graph_mode, sleep_mode, matmul_allreduce)
         if _TORCH_FIRST:
             log.warning("torch was imported before npu_ops, so torch_npu loaded before the Ascend "
                         "environment was set: import train_grpo (or npu_ops) before torch, or "
                         "export the variables in the shell")
+        for name in [n for n in _OURS if n not in wanted and os.environ.get(n) == _OURS[n]]:
+            del os.environ[name], _OURS[name]
     elif torch.cuda.is_available():
         wanted = {}
     else:  # CPU: one OpenMP thread per rank: oversubscribed cores make generation far slower
@@ -245,16 +294,25 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True, tp_size: int = 
     return report
 
 
-def engine_kwargs(versions: dict | None = None) -> dict:
-    """Platform arguments for vLLM's LLM(). On NPU: the weight NZ mode 0 in additional_config
-    where vLLM-Ascend reads it there (the variable stays set for older versions: section 0), and
-    vLLM-Ascend 0.23's CPU binding off (ascend_config.py enable_cpu_binding, default on;
-    cpu_binding.py): after warm-up it runs `taskset -acp` on the whole process (the trainer
-    too), migrates its memory to the card's NUMA node and may stop irqbalance: right for a
-    server that owns the machine, not for a training job. CPU_AFFINITY_CONF binds per card."""
+def engine_kwargs(versions: dict | None = None, matmul_allreduce: bool = False,
+                  sleep_extra_cleanup: bool = False) -> dict:
+    """Platform arguments for vLLM's LLM(). On NPU, in additional_config (vLLM-Ascend 0.23
+    ascend_config.py):
+    - enable_cpu_binding off: after warm-up vLLM-Ascend runs `taskset -acp` on the whole process
+      (the trainer too), migrates its memory to the card's NUMA node and may stop irqbalance
+      (cpu_binding.py): right for a server that owns the machine, not for a training job;
+      CPU_AFFINITY_CONF binds per card;
+    - weight_nz_mode 0 where vLLM-Ascend reads it there (the variable stays set for older
+      versions: section 0);
+    - enable_matmul_allreduce, always given (rollout.matmul_allreduce): a key in
+      additional_config wins over the deprecated VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE
+      (_get_config_value), so the config alone decides;
+    - enable_sleep_mode_extra_cleanup (rollout.sleep_extra_cleanup): HCCL buffers and attention
+      workspaces freed at sleep too."""
     if device_type() != "npu":
         return {}
-    extra = {"enable_cpu_binding": False}
+    extra = {"enable_cpu_binding": False, "enable_matmul_allreduce": matmul_allreduce,
+             "enable_sleep_mode_extra_cleanup": sleep_extra_cleanup}
     if (ascend_checks.release((versions or ascend_checks.installed_versions())["vllm-ascend"])
             or ()) >= ascend_checks.NZ_CONFIG_SINCE:
         extra["weight_nz_mode"] = 0
@@ -284,12 +342,24 @@ def check_engine() -> str | None:
 # 3) checks (before any model loads): ascend_checks.py holds them
 
 def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                   lora: bool = False) -> None:
-    """Run the checks of the platform this process is on; warnings go to the log."""
+                   lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1) -> None:
+    """Run the checks of the platform this process is on; warnings go to the log. On Ascend the
+    checks see the environment the run will have: without the defaults this module set at
+    import that setup_env takes back for this config."""
     if npu_installed():
-        for line in ascend_checks.check_ascend(dict(os.environ), ascend_checks.installed_versions(),
-                                               graph_mode, temperature, top_p, lora):
+        later = ascend_env_defaults(graph_mode, True, matmul_allreduce)
+        env = {k: v for k, v in os.environ.items() if k in later or _OURS.get(k) != v}
+        for line in ascend_checks.check_ascend(env, ascend_checks.installed_versions(),
+                                               graph_mode, temperature, top_p, lora,
+                                               matmul_allreduce, tp_size, ascend_soc()):
             log.warning(line)
+
+
+def check_device() -> None:
+    """On an Ascend device, before the engine starts: the chip is the one vLLM-Ascend was built
+    for (`ascend_checks.check_device_type`); NPUWorker would stop the engine otherwise."""
+    if device_type() == "npu":
+        ascend_checks.check_device_type(ascend_soc(), torch_npu().npu.get_soc_version())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,6 +409,10 @@ def swiglu_mlp_fused(module, x):
 
 
 FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention registers under
+# npu_fusion_attention's actual_seq_qlen holds at most 1K entries in the varlen (TND) case
+# (op-plugin docs/context/torch_npu-npu_fusion_attention.md, its constraints): a packed row's
+# samples, which logprobs.micro_batch_plan caps at this (fusion_attention.max_samples)
+FUSION_MAX_SAMPLES = 1024
 
 
 def attention_implementation(requested: str) -> str:
@@ -394,3 +468,6 @@ def fusion_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     out = torch_npu().npu_fusion_attention(query, key, value, heads, "BNSD", atten_mask=mask,
                                          sparse_mode=mode, **common)[0]
     return out.transpose(1, 2), None
+
+
+fusion_attention.max_samples = FUSION_MAX_SAMPLES  # read by logprobs.micro_batch_plan

@@ -109,6 +109,13 @@ class HostCopy:
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:  # empty, or shared (tied)
                 continue
+            if (fmt := npu_ops.internal_format(t)) is not None:  # before anything moves
+                raise ValueError(
+                    f"offload: a tensor of shape {tuple(t.shape)} is stored in the device's "
+                    f"internal format {fmt}, not ND: its storage is not its elements in order, "
+                    "and the move to host "
+                    "memory copies and frees storages byte for byte. Fix: model.offload=off "
+                    "(docs/platforms.md, \"Ascend NPUs\")")
             seen.add(storage.data_ptr())
             storages.append(storage)
         layout = tuple(s.nbytes() for s in storages)

@@ -76,6 +76,12 @@ class RolloutConfig:
     block_size: Annotated[int, Range(0)] = 0
     # 2 = drop weights and KV cache; 1 = also copy weights to host (docs/engine.md, "Sleep")
     sleep_level: Annotated[int, OneOf(1, 2)] = 2
+    # Ascend: vLLM-Ascend also frees HCCL buffers and attention workspaces at each sleep;
+    #   off until measured (docs/platforms.md, "Ascend NPUs")
+    sleep_extra_cleanup: Annotated[bool, FLAG] = False
+    # Ascend, tp_size > 1, A2 only: vLLM-Ascend's fused matmul + all-reduce (MC2); not measured
+    #   with sleep and weight reload, refused with HCCL_OP_EXPANSION_MODE=AIV
+    matmul_allreduce: Annotated[bool, FLAG] = False
     temperature: Annotated[float, Range(0, lo_open=True)] = 1.0  # 0 is no sampling distribution
     top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0  # nucleus sampling; 1 = off
     max_new_tokens: Annotated[int, Range(1)] = 512  # a response's (a turn's) token limit
@@ -164,8 +170,7 @@ class Engine:
         self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep)
         if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
             log.info(applied)
-        # vLLM logs every prefix-cache reset at INFO: after start-up keep its warnings only, so
-        # the trainer's one line per step stays readable (raise it again here to debug)
+        # vLLM logs every prefix-cache reset at INFO: after start-up only its warnings (debug here)
         logging.getLogger("vllm").setLevel(logging.WARNING)
         quiet_rotary_reload_warning()
         # torch's allocator counts the engine's weights and KV cache for its whole life, asleep
@@ -280,6 +285,7 @@ class Engine:
                   or t == "kv_cache" and not self.kv_cache_awake]  # (vLLM maps what it is asked)
         if self.can_sleep and asleep:
             npu_ops.release_cached_memory()  # the trainer's cached blocks, before the engine maps
+            _check_room(asleep)  # room for what it maps: a failed map ends the process silently
             before = npu_ops.device_memory_used_gb()
             self.llm.wake_up(tags=asleep)
             self._log_memory("wake_" + "_".join(asleep), before)
@@ -372,7 +378,36 @@ def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool):
         # v1/worker/utils.py request_memory)
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or None, **extra,
-        **npu_ops.engine_kwargs())
+        **npu_ops.engine_kwargs(matmul_allreduce=cfg.matmul_allreduce,
+                                sleep_extra_cleanup=cfg.sleep_extra_cleanup))
+
+
+def _sleep_allocator():
+    """The allocator whose memory the engine's sleep releases: vLLM-Ascend's on Ascend
+    (npu_ops.sleep_allocator), else vLLM's."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return npu_ops.sleep_allocator() or CuMemAllocator.get_instance()
+
+
+def _check_room(tags: list[str]) -> None:
+    """Before a wake: the device has room for what it maps back, read from the sleep
+    allocator's own table (vLLM 0.26, 0.32 device_allocator/cumem.py and vLLM-Ascend 0.23
+    device_allocator/camem.py: pointer_to_data, each allocation's size at handle[1] and its
+    tag). vLLM-Ascend's wake maps with aclrtMallocPhysical and throws from C++ when that fails
+    (csrc/camem_allocator.cpp create_and_map, uncaught in python_create_and_map): the process
+    would end with no Python traceback and no log line. Raises MemoryError instead."""
+    free = npu_ops.device_free_gb()
+    if free is None:
+        return
+    table = _sleep_allocator().pointer_to_data.values()
+    need = sum(d.handle[1] for d in table if d.tag in tags) / 2**30
+    if need > free:
+        raise MemoryError(
+            f"engine wake ({', '.join(tags)}): it maps back {need:.2f} GiB but {free:.2f} GiB "
+            "of device memory is free. Fix: lower rollout.gpu_memory_utilization or "
+            "rollout.kv_cache_memory_bytes (a smaller KV cache), or model.offload=on (the actor "
+            "and its optimizer state leave the device while the engine is awake)")
 
 
 def _checked(ids, logp) -> tuple[list[int], list[float]]:

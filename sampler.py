@@ -22,6 +22,8 @@ position moves on only when a later step begins (or partial rollout's state, lik
 
 import time
 
+import torch
+
 import grpo
 import partial
 import records
@@ -59,10 +61,12 @@ class Sampler:
             seed = (rollout.seed_from(self.cfg.rollout.seed, step, self.group.index,
                                       len(pieces) + 1) if self.cfg.rollout.seed_per_step else None)
             t = time.perf_counter()
-            generated = self.runner.run(self.engine, batch, g.group_size, seed=seed)
+            with torch.profiler.record_function("step:generate"):
+                generated = self.runner.run(self.engine, batch, g.group_size, seed=seed)
             seconds["gen"] += time.perf_counter() - t
             t = time.perf_counter()
-            pieces.append((generated, *self.score(generated)))
+            with torch.profiler.record_function("step:reward"):
+                pieces.append((generated, *self.score(generated)))
             seconds["reward"] += time.perf_counter() - t
             kept = self.group.per_engine(sum(k for *_, keep in pieces for k in keep))
             if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step

@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 
-from domains import Anything, OneOf, Range
+from domains import Anything, Items, OneOf, Range
 
 
 @dataclass
@@ -44,6 +44,8 @@ class LogConfig:
     # tags of the wandb run
     wandb_tags: Annotated[list[str], Anything("names: wandb takes any")] = field(
         default_factory=list)
+    # steps to profile, e.g. [3, 4]: a trace per rank under out_dir/profile (docs/metrics.md)
+    profile_steps: Annotated[list[int], Items(Range(1))] = field(default_factory=list)
 
 log = logging.getLogger("grpo")
 

@@ -116,6 +116,7 @@ class Run:
     trainable: int = 0  # the actor's parameters that train
     turn: weight_sync.EngineTurn = None  # the engine's turn: push, wake, sleep, memory moves
     tracker: tracking.Tracker = None
+    profiler: "StepProfiler" = None  # log.profile_steps
     step: int = 0  # steps taken
     bar: object = None
     log_handler: logging.Handler = None  # the one setup added, if the process had none
@@ -127,8 +128,8 @@ class Run:
         closed even if another raised (the first error is raised at the end); a second call
         does nothing."""
         global _OPEN
-        parts, engine = [self.bar, self.tracker, self.sampler], self.engine
-        self.bar = self.tracker = self.sampler = self.engine = self.turn = None
+        parts, engine = [self.bar, self.tracker, self.profiler, self.sampler], self.engine
+        self.bar = self.tracker = self.profiler = self.sampler = self.engine = self.turn = None
         self.actor = self.ref = self.opt = self.sched = None
         errors = []
         stops = [p.close for p in parts if p is not None] + ([engine.shutdown] if engine else [])
@@ -175,7 +176,7 @@ def setup(cfg: Config) -> Run:
     cfg = resolve(cfg)
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
-                            tp_size=cfg.rollout.tp_size)
+                            matmul_allreduce=cfg.rollout.matmul_allreduce)
     run = Run(cfg, *init_distributed())
     _OPEN = weakref.ref(run)
     try:
@@ -185,6 +186,7 @@ def setup(cfg: Config) -> Run:
         for name, (value, source) in env.items():
             log.info("env %s=%s (%s)", name, value, source)
         prepare(cfg, run.rank, run.world)
+        npu_ops.check_device()  # the chip is the one the engine was built for
         build(run)
         return run
     except BaseException:
@@ -275,8 +277,37 @@ def build(run: Run) -> None:
         run.sampler.resume(state, run.step)
         log.info("resumed from %s: continuing after step %d", ckpt, run.step)
     run.tracker = tracking.Tracker(cfg, run.rank, run.step)  # a crashed tail is dropped
+    run.profiler = StepProfiler(cfg.log.profile_steps, cfg.log.out_dir, run.rank)
     run.bar = tqdm(total=cfg.train.steps, initial=run.step, disable=run.rank != 0,
                    desc="steps", file=sys.stdout)
+
+
+class StepProfiler:
+    """The profiler (npu_ops.profiler) around exactly the steps of log.profile_steps: one trace
+    per rank for each run of consecutive steps, in out_dir/profile/steps_A-B/. The step's phases
+    are named ranges in it: step:sync, step:generate, step:reward, step:train."""
+
+    def __init__(self, steps: list[int], out_dir: str, rank: int):
+        self.steps, self.out_dir, self.rank, self.active, self.first = set(steps), out_dir, rank, None, 0
+
+    def before(self, step: int) -> None:
+        if step in self.steps and self.active is None:
+            self.first, last = step, step
+            while last + 1 in self.steps:
+                last += 1
+            self.dir = os.path.join(self.out_dir, "profile", f"steps_{step}-{last}")
+            self.active = npu_ops.profiler(self.dir, f"rank{self.rank}")
+            self.active.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.active is not None and step + 1 not in self.steps:
+            self.close()
+            log.info("profile of steps %d-%d: %s", self.first, step, self.dir)
+
+    def close(self) -> None:
+        active, self.active = self.active, None
+        if active is not None:
+            active.__exit__(None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,6 +320,7 @@ def train_step(run: Run, return_rollout: bool = False):
     texts, rewards, ...) and its scores (grpo.Scored: advantages, the samples trained)."""
     cfg, step, t0 = run.cfg, run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
+    run.profiler.before(step)
     # 1) collect, in the engine's turn: the actor's weights pushed into the engine, G samples
     #    per prompt (episodes, with an environment) and their rewards (sampler.py). Leaving the
     #    turn, whatever raised, the engine sleeps and the actor is back (weight_sync.EngineTurn)
@@ -302,11 +334,12 @@ def train_step(run: Run, return_rollout: bool = False):
     mine = scored.trained[run.group.tp_rank::run.group.size]
     samples = partial.for_update([ro.samples[i] for i in mine], step - 1,
                                  cfg.rollout.partial.stale)
-    update = grpo.update(run.actor, run.ref, run.opt, samples, torch.tensor(scored.adv)[mine],
-                         cfg.grpo, pad_id=run.tokenizer.pad_token_id or 0,
-                         device=npu_ops.local_device(), temperature=cfg.rollout.temperature,
-                         max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
-                         seed=rollout.seed_from(cfg.train.seed, step, run.rank))
+    with torch.profiler.record_function("step:train"):
+        update = grpo.update(run.actor, run.ref, run.opt, samples, torch.tensor(scored.adv)[mine],
+                             cfg.grpo, pad_id=run.tokenizer.pad_token_id or 0,
+                             device=npu_ops.local_device(), temperature=cfg.rollout.temperature,
+                             max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
+                             seed=rollout.seed_from(cfg.train.seed, step, run.rank))
     run.sched.step()
     run.step = step
     logprobs_s = update.pop("logprobs_time_s")  # the old-policy and reference passes
@@ -316,6 +349,7 @@ def train_step(run: Run, return_rollout: bool = False):
     # 4) log: the step's metrics over all ranks; eval, samples and checkpoints on schedule
     metrics = step_metrics(run, ro, scored, {**update, **times}, samples)
     log_step(run, ro, metrics)
+    run.profiler.after(step)
     return (metrics, ro, scored) if return_rollout else metrics
 
 

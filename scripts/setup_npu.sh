@@ -3,7 +3,8 @@
 # with Python 3.10-3.12), in the order vLLM-Ascend 0.23.0's installation guide gives
 # (docs/source/installation.md). Not run by this project: no NPU is reachable from its machines.
 #
-#   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # CANN 9.1.0 (+ NNAL), from Huawei
+#   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # CANN 9.1.0, from Huawei
+#   source /usr/local/Ascend/nnal/atb/set_env.sh         # NNAL 9.1.0 (libatb.so), likewise
 #   bash scripts/setup_npu.sh
 #
 # Where each part comes from:
@@ -30,7 +31,8 @@ SRC=${SRC:-$HOME/.cache/grpo-npu-src}
   echo "setup_npu.sh: vLLM-Ascend 0.23.0 supports Python 3.10-3.12; set PYTHON=python3.x" >&2; exit 1; }
 if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -z "${ASCEND_HOME_PATH:-}" ]; then
   echo "setup_npu.sh: CANN is not set up in this shell. Install CANN 9.1.0 and NNAL 9.1.0, then" >&2
-  echo "  source /usr/local/Ascend/ascend-toolkit/set_env.sh   (or use vLLM-Ascend's image)" >&2
+  echo "  source /usr/local/Ascend/ascend-toolkit/set_env.sh" >&2
+  echo "  source /usr/local/Ascend/nnal/atb/set_env.sh   (or use vLLM-Ascend's image)" >&2
   exit 1
 fi
 installed() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
@@ -40,6 +42,10 @@ if [ "$(installed vllm-ascend)" != "$VLLM_ASCEND" ]; then
   # x86 only: torch's CPU build instead of PyPI's CUDA one (vLLM-Ascend's guide suggests this index)
   [ "$(uname -m)" = x86_64 ] && extra=(--extra-index-url https://download.pytorch.org/whl/cpu/)
   "$PY" -m pip install "${extra[@]}" "torch==$TORCH" "torch-npu==$TORCH_NPU"
+  # PyPI's vllm-ascend wheels are built for A2 (their _build_info.py): refuse them on another chip
+  "$PY" -c 'import sys, torch_npu, ascend_checks as a
+try: a.check_device_type("A2", torch_npu.npu.get_soc_version())
+except ValueError as e: sys.exit(f"setup_npu.sh: PyPI wheel of vllm-ascend: {e}")'
   if [ ! -d "$SRC/vllm" ]; then
     git clone --depth 1 --branch "$VLLM_TAG" https://github.com/vllm-project/vllm "$SRC/vllm"
   fi
@@ -51,4 +57,4 @@ if [ "$(installed vllm-ascend)" != "$VLLM_ASCEND" ]; then
 fi
 "$PY" -m pip install -r requirements-npu.txt
 # the start-up checks of the trainer, on the installed versions (no model, no device needed)
-"$PY" -c 'import ascend_checks as a; v = a.installed_versions(); print(v); a.check_ascend({"VLLM_ASCEND_ENABLE_NZ": "0"}, v)'
+"$PY" -c 'import os, ascend_checks as a; v = a.installed_versions(); print(v); a.check_ascend({**os.environ, "VLLM_ASCEND_ENABLE_NZ": "0"}, v)'

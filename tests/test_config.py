@@ -194,6 +194,7 @@ def test_ascend_checks_run_before_any_model_loads(monkeypatch, tmp_path, tiny):
                         lambda: {"vllm": "0.18.0", "vllm-ascend": "0.18.0", "torch-npu": "2.9.0"})
     monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    monkeypatch.setenv("ATB_HOME_PATH", "/usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_0")
     cfg = tiny("--rollout.enforce_eager=false")
     with pytest.raises(ValueError, match="TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false"):
         validate(cfg, 2)

@@ -21,7 +21,8 @@ KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s",
 def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
     """From nothing: the run itself creates the tiny task (one writer, two ranks). Its reward is
     a module:function of the user's (a module of its own on PYTHONPATH, not of this
-    repository), and that is what the run optimises: the tiny model learns from it alone."""
+    repository), and that is what the run optimises: the tiny model learns from it alone.
+    Steps 2 and 3 are profiled (log.profile_steps)."""
     (tmp_path / "my_rewards.py").write_text(
         "def first_number_is_sum(completion, example):\n"
         "    digits = ''\n"
@@ -34,7 +35,8 @@ def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
     steps = 60
     out = launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
                   f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}",
-                  "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum"],
+                  "--log.eval_every=0", "--reward.funcs=my_rewards:first_number_is_sum",
+                  "--log.profile_steps=[2,3]"],
                  timeout=900, env={"PYTHONPATH": python_path(tmp_path)})
     assert f"step {steps}/{steps} | reward" in out  # the per-step line
     # no warning printed at every step, i.e. `steps` times or more (vLLM's "RotaryEmbedding:
@@ -60,6 +62,15 @@ def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["sync_time_s"] > 0 for r in rows)
 
     assert (out_dir / "config.yaml").exists() and (out_dir / "samples.jsonl").exists()
+    # log.profile_steps [2, 3]: one trace per rank, each step's four phases a named range in it
+    assert os.listdir(out_dir / "profile") == ["steps_2-3"]
+    traces = sorted(os.listdir(out_dir / "profile" / "steps_2-3"))
+    assert [t.split(".")[0] for t in traces] == ["rank0", "rank1"], traces
+    for trace in traces:
+        events = json.load(open(out_dir / "profile" / "steps_2-3" / trace))["traceEvents"]
+        ranges = collections.Counter(e["name"] for e in events if e.get("ph") == "X"
+                                     and e["name"].startswith("step:"))
+        assert ranges == {f"step:{p}": 2 for p in ("sync", "generate", "reward", "train")}, ranges
     # the plot script draws this real run
     png = out_dir / "metrics.png"
     subprocess.run([sys.executable, "scripts/plot_metrics.py", str(out_dir / "metrics.jsonl"),

@@ -14,6 +14,8 @@ import kernels
 import npu_ops
 import tiny_task
 
+from conftest import ROOT
+
 
 class StandInTorchNpu:
     """torch_npu's documented contracts, checked on every call, computed in plain torch."""
@@ -163,11 +165,10 @@ def test_ascend_env_defaults():
                      "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
     graph = npu_ops.ascend_env_defaults(graph_mode=True, sleep_mode=False)
     assert graph["TASK_QUEUE_ENABLE"] == "1" and "PYTORCH_NPU_ALLOC_CONF" not in graph
-    # MC2 (fused matmul + all-reduce): a tensor-parallel engine on A2 only
-    mc2 = "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"
-    assert npu_ops.ascend_env_defaults(tp_size=2, soc="A2")[mc2] == "1"
-    for tp, soc in ((1, "A2"), (2, "A3"), (2, None)):
-        assert mc2 not in npu_ops.ascend_env_defaults(tp_size=tp, soc=soc)
+    # MC2 goes through the engine's additional_config, not a variable; with it on, the AIV
+    # expansion under which its kernels have hung is left out
+    mc2 = npu_ops.ascend_env_defaults(matmul_allreduce=True)
+    assert "HCCL_OP_EXPANSION_MODE" not in mc2 and mc2.keys() < set(npu_ops.ASCEND_ENV)
 
 
 def test_setup_env_defaults_and_user_override(monkeypatch):
@@ -176,12 +177,33 @@ def test_setup_env_defaults_and_user_override(monkeypatch):
     for name in npu_ops.ASCEND_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AI_CPU")  # the user's value wins
-    report = npu_ops.setup_env(graph_mode=False, sleep_mode=True, tp_size=2)
+    report = npu_ops.setup_env(graph_mode=False, sleep_mode=True)
     assert os.environ["HCCL_OP_EXPANSION_MODE"] == "AI_CPU"
     assert report["HCCL_OP_EXPANSION_MODE"] == ("AI_CPU", "user")
     assert os.environ["TASK_QUEUE_ENABLE"] == "2" and report["TASK_QUEUE_ENABLE"] == ("2", "default")
-    assert report["VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"] == ("1", "default")
-    assert set(report) == set(npu_ops.ASCEND_ENV)
+    assert set(report) == set(npu_ops.ASCEND_ENV) - {"VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"}
+    assert "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE" not in os.environ
+
+
+def test_matmul_allreduce_takes_back_the_aiv_default_but_not_the_user_s(monkeypatch):
+    """npu_ops sets HCCL_OP_EXPANSION_MODE=AIV at import, before the config is read; with
+    rollout.matmul_allreduce on, setup_env takes that default back. A user's AIV stays, for the
+    checks to refuse."""
+    monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
+    monkeypatch.setattr(npu_ops, "ascend_soc", lambda: "A2")
+    monkeypatch.setattr(ascend_checks, "installed_versions", lambda: DOCUMENTED)
+    monkeypatch.setattr(npu_ops, "_OURS", {"HCCL_OP_EXPANSION_MODE": "AIV"})
+    for name, value in {**ENV, "HCCL_OP_EXPANSION_MODE": "AIV"}.items():
+        monkeypatch.setenv(name, value)
+    npu_ops.check_platform(matmul_allreduce=True, tp_size=2)  # the checks see it gone already
+    report = npu_ops.setup_env(matmul_allreduce=True)
+    assert "HCCL_OP_EXPANSION_MODE" not in os.environ and "HCCL_OP_EXPANSION_MODE" not in report
+    monkeypatch.setattr(npu_ops, "_OURS", {})
+    monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")  # the user's
+    with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV: the fused"):
+        npu_ops.check_platform(matmul_allreduce=True, tp_size=2)
+    npu_ops.setup_env(matmul_allreduce=True)
+    assert os.environ["HCCL_OP_EXPANSION_MODE"] == "AIV"
 
 
 @pytest.mark.parametrize("version, numbers", [
@@ -193,7 +215,8 @@ def test_release_numbers(version, numbers):
 
 
 DOCUMENTED = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
-ENV = {"VLLM_ASCEND_ENABLE_NZ": "0"}  # what setup_env sets
+# what setup_env sets, and NNAL's set_env.sh
+ENV = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_0"}
 OLD = {"vllm": "0.18.0", "vllm-ascend": "0.18.0", "torch-npu": "2.9.0"}  # NZ mode from the variable
 
 
@@ -277,14 +300,108 @@ def test_engine_kwargs_switch_off_cpu_binding_and_the_nz_mode(monkeypatch):
     variable (which setup_env sets to 0, and which the checks demand there)."""
     assert npu_ops.engine_kwargs() == {}  # CPU
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
-    assert npu_ops.engine_kwargs(DOCUMENTED) == {
-        "additional_config": {"enable_cpu_binding": False, "weight_nz_mode": 0}}
+    off = {"enable_cpu_binding": False, "enable_matmul_allreduce": False,
+           "enable_sleep_mode_extra_cleanup": False}
+    assert npu_ops.engine_kwargs(DOCUMENTED) == {"additional_config": {**off, "weight_nz_mode": 0}}
     for ascend in ("0.20.2rc1", "0.23.0+empty"):
         extra = npu_ops.engine_kwargs({**OLD, "vllm-ascend": ascend})["additional_config"]
         assert extra["weight_nz_mode"] == 0
-    assert npu_ops.engine_kwargs(OLD) == {"additional_config": {"enable_cpu_binding": False}}
+    assert npu_ops.engine_kwargs(OLD) == {"additional_config": off}
+    extra = npu_ops.engine_kwargs(DOCUMENTED, sleep_extra_cleanup=True)["additional_config"]
+    assert extra["enable_sleep_mode_extra_cleanup"] is True
     # 0.23 with the variable left at its default: additional_config decides, so no error
-    assert ascend_checks.check_ascend({}, DOCUMENTED) == []
+    assert ascend_checks.check_ascend({"ATB_HOME_PATH": "/x"}, DOCUMENTED) == []
+
+
+def ascend_config_value(additional_config: dict, key: str, env_value):
+    """vLLM-Ascend 0.23's AscendConfig._get_config_value (ascend_config.py:354-365): a key in
+    additional_config wins; else the (deprecated) variable's value."""
+    return additional_config[key] if key in additional_config else env_value
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_mc2_is_the_config_s_choice_whatever_the_variable_says(monkeypatch, on):
+    """The fused matmul + all-reduce at tp_size 2 on A2: what vLLM-Ascend applies is
+    rollout.matmul_allreduce, also when VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE=1 is exported
+    (which used to be our own default there); the variable gets a warning."""
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    extra = npu_ops.engine_kwargs(DOCUMENTED, matmul_allreduce=on)["additional_config"]
+    assert ascend_config_value(extra, "enable_matmul_allreduce", env_value=True) is on
+    warnings = ascend_checks.check_ascend({**ENV, "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE": "1"},
+                                          DOCUMENTED, matmul_allreduce=on, tp_size=2, soc="A2")
+    assert any("VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE is ignored" in w for w in warnings)
+    assert any("not been measured with sleep mode" in w for w in warnings) is on
+
+
+@pytest.mark.parametrize("env, soc, says", [
+    ({**ENV, "HCCL_OP_EXPANSION_MODE": "AIV"}, "A2", "HCCL_OP_EXPANSION_MODE=AIV: the fused"),
+    (ENV, "A3", "rollout.matmul_allreduce=true on A3"),
+])
+def test_mc2_is_refused_with_aiv_expansion_and_off_a2(env, soc, says):
+    with pytest.raises(ValueError, match=says):
+        ascend_checks.check_ascend(env, DOCUMENTED, matmul_allreduce=True, tp_size=2, soc=soc)
+    ascend_checks.check_ascend({**env, "HCCL_OP_EXPANSION_MODE": "AIV"}, DOCUMENTED, soc=soc)
+
+
+def test_nnal_must_be_set_up_where_vllm_ascend_is(tmp_path):
+    """torch-npu's ATB operators, which vLLM-Ascend's NPUWorker registers at start, fail to load
+    without libatb.so (OSError "Please run 'source set_env.sh'"): NNAL's set_env.sh (which
+    exports ATB_HOME_PATH), or libatb.so on LD_LIBRARY_PATH, or the run stops before any model
+    loads."""
+    bare = {"VLLM_ASCEND_ENABLE_NZ": "0"}
+    with pytest.raises(ValueError, match="source /usr/local/Ascend/nnal/atb/set_env.sh"):
+        ascend_checks.check_ascend({**bare, "LD_LIBRARY_PATH": str(tmp_path)}, DOCUMENTED)
+    (tmp_path / "libatb.so").write_bytes(b"")
+    assert ascend_checks.check_ascend({**bare, "LD_LIBRARY_PATH": f"/nope:{tmp_path}"},
+                                      DOCUMENTED) == []
+    assert ascend_checks.check_ascend({**bare, "ATB_HOME_PATH": "/opt/atb"}, DOCUMENTED) == []
+    without = {**DOCUMENTED, "vllm-ascend": None, "vllm": None}  # the torch-npu lane: no engine
+    assert all("NNAL" not in w for w in ascend_checks.check_ascend(bare, without))
+
+
+def vllm_ascend_device_check(build: str, soc_version: int) -> None:
+    """vLLM-Ascend 0.23's utils.check_ascend_device_type (utils.py:845-866), which NPUWorker
+    calls at start: the chip's type from its soc_version must be the build's."""
+    ranges = {"A2": range(220, 226), "A3": range(250, 256), "_310P": range(200, 206),
+              "A5": range(260, 261)}
+    chip = next((t for t, r in ranges.items() if soc_version in r), None)
+    if chip is None:
+        raise RuntimeError(f"Can not support soc_version: {soc_version}.")
+    assert chip == build, f"Current device type: {chip} does not match the installed version's"
+
+
+@pytest.mark.parametrize("soc_version", [220, 223, 225, 250, 251, 255, 202, 260])
+@pytest.mark.parametrize("build", ["A2", "A3"])
+def test_the_chip_is_checked_against_the_engine_s_build_before_the_engine(monkeypatch, build,
+                                                                          soc_version):
+    """Both PyPI wheels of vllm-ascend 0.23.0 are built for A2; on an A3 NPUWorker stops the
+    engine (after the model has loaded). npu_ops.check_device, which train_grpo.setup calls
+    before building anything, refuses exactly where vLLM-Ascend's own check would, with the
+    fix; setup_npu.sh refuses the PyPI wheel with the same check."""
+    import types
+
+    pkg, info = types.ModuleType("vllm_ascend"), types.ModuleType("vllm_ascend._build_info")
+    info.__device_type__ = build
+    pkg._build_info = info
+    monkeypatch.setitem(sys.modules, "vllm_ascend", pkg)
+    monkeypatch.setitem(sys.modules, "vllm_ascend._build_info", info)
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    monkeypatch.setattr(npu_ops, "STAND_IN", types.SimpleNamespace(
+        npu=types.SimpleNamespace(get_soc_version=lambda: soc_version)))
+    try:
+        vllm_ascend_device_check(build, soc_version)
+        engine_refuses = False
+    except (AssertionError, RuntimeError):
+        engine_refuses = True
+    if not engine_refuses:
+        npu_ops.check_device()
+        return
+    with pytest.raises(ValueError, match=f"built for {build}") as e:
+        npu_ops.check_device()
+    if 250 <= soc_version <= 255:
+        assert "v0.23.0-a3" in str(e.value) and "SOC_VERSION=ascend910_9391" in str(e.value)
+    with open(os.path.join(ROOT, "scripts", "setup_npu.sh")) as f:
+        assert 'a.check_device_type("A2", torch_npu.npu.get_soc_version())' in f.read()
 
 
 @pytest.mark.parametrize("config, env, says", [

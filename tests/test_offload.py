@@ -107,6 +107,34 @@ def test_leaving_the_engine_turn_restores_everything_whatever_raised(where):
                             for t in tensors()}.values())
 
 
+def test_a_tensor_in_an_internal_npu_format_is_refused_before_anything_moves(monkeypatch):
+    """vLLM-Ascend turns internal tensor formats on for the whole process, the trainer's too
+    (0.23 worker/model_runner_v1.py:201). A storage in FRACTAL_NZ (29) does not hold the
+    tensor's elements in order: the offload, which copies and frees storages byte for byte,
+    refuses it with one line before it copies or frees anything. A stand-in torch_npu answers
+    get_npu_format as torch_npu does: an int, 2 for ND."""
+    import types
+
+    import npu_ops
+
+    model = Odd()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    nz = model.b.untyped_storage().data_ptr()
+    monkeypatch.setattr(npu_ops, "STAND_IN", types.SimpleNamespace(
+        get_npu_format=lambda t: 29 if t.untyped_storage().data_ptr() == nz else 2))
+    copy = offload.HostCopy()
+    with pytest.raises(ValueError, match=r"shape \(1001,\) is stored in the device's internal "
+                                         r"format 29, not ND"):
+        copy.to_host(model)
+    assert copy.arena is None and copy.away == [] and copy.guard is None
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    monkeypatch.setattr(npu_ops, "STAND_IN", types.SimpleNamespace(get_npu_format=lambda t: 2))
+    copy.to_host(model)  # ND everywhere: moves
+    assert model.b.untyped_storage().nbytes() == 0
+    copy.to_device()
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
 def test_host_memory_check(tiny_models):
     from transformers import AutoModelForCausalLM
 

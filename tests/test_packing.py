@@ -144,3 +144,26 @@ def test_packed_plan_respects_the_budget():
     assert all(sum(lengths[i] for i in b) <= 64 or len(b) == 1 for b in plan)  # 70 alone
     padded = logprobs.plan_micro_batches(lengths, 64, packed=False)
     assert len(plan) < len(padded)  # packing needs fewer forwards for the same budget
+
+
+def test_a_packed_row_holds_no_more_samples_than_the_fused_attention_takes():
+    """npu_fusion_attention's actual_seq_qlen holds at most 1K entries in the varlen (TND)
+    layout (op-plugin's doc of it): under that attention a packed row holds at most
+    npu_ops.FUSION_MAX_SAMPLES samples, each sample in exactly one row; under sdpa, which has
+    no such limit, the rows are what the token budget alone gives."""
+    import types
+
+    import npu_ops
+
+    lengths = [3 + i % 5 for i in range(2500)]  # short samples: the budget alone fits 2000+
+    fused = types.SimpleNamespace(
+        _attn_implementation=fsdp_utils.register_attention(npu_ops.FUSION_ATTENTION))
+    cap = logprobs.packed_sample_cap(fused)
+    assert cap == npu_ops.FUSION_MAX_SAMPLES == 1024
+    plan = logprobs.plan_micro_batches(lengths, 16384, packed=True, max_samples=cap)
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+    assert [len(b) for b in plan] == [1024, 1024, 452]
+    assert all(sum(lengths[i] for i in b) <= 16384 for b in plan)
+    plain = types.SimpleNamespace(_attn_implementation=fsdp_utils.register_attention("sdpa"))
+    assert logprobs.packed_sample_cap(plain) == 0
+    assert len(logprobs.plan_micro_batches(lengths, 16384, packed=True)) == 1

@@ -148,6 +148,43 @@ def test_engine_guards_the_wake_order():
 
 
 @pytest.mark.engine
+def test_a_wake_without_room_is_a_python_error_before_the_engine_maps(monkeypatch):
+    """vLLM-Ascend 0.23's wake maps each asleep allocation with aclrtMallocPhysical and throws
+    from C++ when that fails (camem_allocator.cpp create_and_map): the process ends with no
+    Python traceback. Before each wake the engine reads what it will map back from the sleep
+    allocator's table (each allocation's size at handle[1], its tag) and compares it with the
+    device's free memory: too little is a MemoryError naming both and the fix, raised before
+    vLLM is asked to map anything."""
+    import types
+
+    import npu_ops
+    import rollout
+
+    GiB = 2**30
+    table = {i: types.SimpleNamespace(handle=(0, size, i), tag=tag) for i, (size, tag) in
+             enumerate([(4 * GiB, "weights"), (2 * GiB, "weights"), (3 * GiB, "kv_cache")])}
+    monkeypatch.setattr(rollout, "_sleep_allocator",
+                        lambda: types.SimpleNamespace(pointer_to_data=table))
+    free = {"gb": 5.5}
+    monkeypatch.setattr(npu_ops, "device_free_gb", lambda: free["gb"])
+    fake = FakeLLM()
+    engine = engine_with(fake)
+    engine.sleep()
+    with pytest.raises(MemoryError, match=r"maps back 6.00 GiB but 5.50 GiB .* free. Fix: lower "
+                                          r"rollout.gpu_memory_utilization"):
+        engine.wake(["weights"])
+    assert fake.calls == [("sleep", 2)] and not engine.weights_awake  # vLLM was asked nothing
+    free["gb"] = 6.0
+    engine.wake(["weights"])
+    free["gb"] = 2.9  # the KV cache's 3 GiB: the actor still on the device, say
+    with pytest.raises(MemoryError, match=r"engine wake \(kv_cache\): it maps back 3.00 GiB"):
+        engine.wake(["kv_cache"])
+    free["gb"] = 3.0
+    engine.wake(["kv_cache"])
+    assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+
+
+@pytest.mark.engine
 def test_with_adapters_the_engine_sleeps_its_kv_cache_only_where_vllm_can():
     """With LoRA the base stays loaded: where vLLM has release_kv_cache_memory (0.32) the sleep
     is level 0 plus that release, the weights stay awake and only the KV cache wakes; where it
