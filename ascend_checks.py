@@ -43,8 +43,9 @@ def release(version: str | None) -> tuple | None:
 
 
 def chip_type(soc_version: int) -> str:
-    """The device type of a chip from torch_npu.npu.get_soc_version(), as vLLM-Ascend 0.23 names
-    it (utils.py check_ascend_device_type: 220-225 A2, 250-255 A3, 200-205 310P, 260 A5)."""
+    """The device type of a chip from the soc_version torch-npu reports (npu_ops.check_device
+    reads it), as vLLM-Ascend 0.23 names it (utils.py check_ascend_device_type: 220-225 A2,
+    250-255 A3, 200-205 310P, 260 A5)."""
     for low, high, name in ((220, 225, "A2"), (250, 255, "A3"), (200, 205, "_310P"),
                             (260, 260, "A5")):
         if low <= soc_version <= high:
@@ -86,7 +87,7 @@ def _engine_start(errors: list, warnings: list, env: dict, versions: dict,
     if versions.get("vllm-ascend") and not _has_nnal(env):
         # NPUWorker.__init__ calls torch-npu's _register_atb_extensions (0.23 worker/worker.py),
         # which raises OSError "Please run 'source set_env.sh' in the NNAL installation path"
-        # when libop_plugin_atb.so cannot load libatb.so (torch_npu op_plugin/atb/_atb_ops.py)
+        # when libop_plugin_atb.so cannot load libatb.so (torch-npu's op_plugin/atb/_atb_ops.py)
         errors.append("NNAL (libatb.so) is not set up in this shell: ATB_HOME_PATH is unset and "
                       "no LD_LIBRARY_PATH directory has libatb.so, so vLLM-Ascend's NPUWorker "
                       "would fail loading torch-npu's ATB operators at engine start. Fix: "
