@@ -116,8 +116,8 @@ def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperatur
                  top_p: float = 1.0, lora: bool = False, matmul_allreduce: bool = False,
                  tp_size: int = 1, soc: str | None = None) -> list:
     """Ascend misconfigurations, each as one line naming the setting and the fix. `env` is the
-    user's environment (without the defaults npu_ops sets), `soc` the device type vLLM-Ascend
-    was built for (npu_ops.ascend_soc).
+    environment the run will have (npu_ops.check_platform: without the defaults setup_env takes
+    back), `soc` the device type vLLM-Ascend was built for (npu_ops.ascend_soc).
 
     Raises ValueError for what would fail or silently train on wrong numbers; returns warnings.
     """

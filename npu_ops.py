@@ -270,7 +270,7 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
             log.warning("torch was imported before npu_ops, so torch_npu loaded before the Ascend "
                         "environment was set: import train_grpo (or npu_ops) before torch, or "
                         "export the variables in the shell")
-        for name in [n for n in _OURS if n not in wanted and os.environ.get(n) == _OURS[n]]:
+        for name in _taken_back(wanted):
             del os.environ[name], _OURS[name]
     elif torch.cuda.is_available():
         wanted = {}
@@ -292,6 +292,12 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
         # vLLM's CPU worker later turns torch.set_num_threads into a no-op: set it now.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     return report
+
+
+def _taken_back(wanted: dict) -> list[str]:
+    """The defaults this module set at import (section 0) that `wanted` no longer holds and that
+    still have this module's value: setup_env takes them back."""
+    return [n for n in _OURS if n not in wanted and os.environ.get(n) == _OURS[n]]
 
 
 def engine_kwargs(versions: dict | None = None, matmul_allreduce: bool = False,
@@ -347,8 +353,8 @@ def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: fl
     checks see the environment the run will have: without the defaults this module set at
     import that setup_env takes back for this config."""
     if npu_installed():
-        later = ascend_env_defaults(graph_mode, True, matmul_allreduce)
-        env = {k: v for k, v in os.environ.items() if k in later or _OURS.get(k) != v}
+        gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce))
+        env = {k: v for k, v in os.environ.items() if k not in gone}
         for line in ascend_checks.check_ascend(env, ascend_checks.installed_versions(),
                                                graph_mode, temperature, top_p, lora,
                                                matmul_allreduce, tp_size, ascend_soc()):

@@ -113,9 +113,8 @@ class HostCopy:
                 raise ValueError(
                     f"offload: a tensor of shape {tuple(t.shape)} is stored in the device's "
                     f"internal format {fmt}, not ND: its storage is not its elements in order, "
-                    "and the move to host "
-                    "memory copies and frees storages byte for byte. Fix: model.offload=off "
-                    "(docs/platforms.md, \"Ascend NPUs\")")
+                    "and the move to host memory copies and frees storages byte for byte. Fix: "
+                    "model.offload=off (docs/platforms.md, \"Ascend NPUs\")")
             seen.add(storage.data_ptr())
             storages.append(storage)
         layout = tuple(s.nbytes() for s in storages)

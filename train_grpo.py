@@ -288,7 +288,8 @@ class StepProfiler:
     are named ranges in it: step:sync, step:generate, step:reward, step:train."""
 
     def __init__(self, steps: list[int], out_dir: str, rank: int):
-        self.steps, self.out_dir, self.rank, self.active, self.first = set(steps), out_dir, rank, None, 0
+        self.steps, self.out_dir, self.rank = set(steps), out_dir, rank
+        self.active, self.first, self.dir = None, 0, None  # the running profiler, its steps' dir
 
     def before(self, step: int) -> None:
         if step in self.steps and self.active is None:
