@@ -296,6 +296,21 @@ def trainable(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def flops_per_token(model: torch.nn.Module) -> tuple[int, int]:
+    """The update's matrix-multiply FLOPs per token, forward and backward: (per token the model
+    reads, per row of the output layer). A weight matrix of n elements costs 2n a token forward
+    and 4n backward (input and weight gradients), 2n where it is frozen (adapters: no weight
+    gradient). The input embedding is a lookup (no FLOPs); the output layer runs only on the rows
+    the loss reads (logprobs.py), so it is counted apart. Left out: attention's own products,
+    which grow with the sequence, and the vectors (norms, biases). Over every rank."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    cost = lambda p: (6 if p.requires_grad else 4) * p.numel()  # noqa: E731
+    body = sum(cost(p) for p in model.parameters()
+               if p.dim() >= 2 and p is not emb and p is not head)
+    return body, cost(head)
+
+
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
     """AdamW on the parameters that train (with adapters, theirs only) and its schedule."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -88,10 +88,6 @@ class GRPOConfig:
 # the math: small pure functions on tensors. Each variant names the paper it comes from.
 
 
-# ----------------------------------------------------------------------------------------------
-# the math: small pure functions on tensors. Each variant names the paper it comes from.
-
-
 def constant_groups(rewards: torch.Tensor, group_size: int, valid=None) -> torch.Tensor:
     """(B*G,) rewards -> (B,) bool: groups whose rewards are all exactly equal. An exact test:
     0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage.
@@ -412,8 +408,10 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
     the engine's sampling temperature and max_new_tokens. Returns the update's metrics
     (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with a reference, the
-    mean grad norm, and logprobs_time_s, the seconds of the old-policy and reference passes
-    before the first optimizer step."""
+    mean grad norm, logprobs_time_s, the seconds of the old-policy and reference passes
+    before the first optimizer step, trained_tokens, the prompt and response tokens the
+    update's forwards and backwards took (all passes), and trained_rows, the output layer's rows
+    among them (the response tokens)."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     t = time.perf_counter()
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
@@ -448,6 +446,10 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
             opt.step()
             opt.zero_grad(set_to_none=True)
     tokens = sum(s.model_tokens for s in samples)
+    # the tokens the passes' forwards and backwards saw, and the rows of the output layer among
+    # them (the update's FLOPs: fsdp_utils.flops_per_token)
+    seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples)
     clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     out = {"entropy": tracking.Mean(entropy, tokens),
@@ -457,4 +459,5 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()
                                       for o, r in zip(old_logp, written(samples, ref_logp))),
                                   tokens)
-    return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
+    return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time,
+            "trained_tokens": tracking.Sum(seen), "trained_rows": tracking.Sum(rows)}

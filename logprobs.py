@@ -233,7 +233,7 @@ class _FusedOutputLayer(torch.autograd.Function):
     """forward(hidden (B, T, H), weight (V, H), bias (V,) or None, ...) -> the micro-batch's loss
     (0-dim fp32), with the gradients of hidden, weight and bias computed on the way, chunk by
     chunk; backward scales them by its incoming gradient. The weight's gradient sums over chunks
-    in fp32 and is cast to the weight's dtype once."""
+    in fp32 and is cast to the weight's dtype once; a frozen weight or bias gets none."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
@@ -245,27 +245,29 @@ class _FusedOutputLayer(torch.autograd.Function):
             first(_logp_pass(h, weight, bias, mb.targets, temperature, chunk))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
         grad_hidden = torch.zeros_like(flat)
-        grad_weight = torch.zeros(weight.shape, **f32)
-        grad_bias = None if bias is None else torch.zeros(bias.shape, **f32)
+        # a frozen output layer (adapters) gets no gradient: a third of its FLOPs saved
+        grad_weight = torch.zeros(weight.shape, **f32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, **f32) if ctx.needs_input_grad[2] else None
         logps, total = [], {k: torch.zeros((), **f32) for k in ("loss", "entropy", "clipped")}
         for s in range(0, h.shape[0], chunk):
             k = slice(s, s + chunk)
             logp, entropy, loss, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
                                                            written[k], temperature, loss_fn, k)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
-            if dz.dtype == grad_weight.dtype:
+            if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
-            else:  # a GEMM in the compute dtype, summed in fp32
+            elif grad_weight is not None:  # a GEMM in the compute dtype, summed in fp32
                 grad_weight.add_(dz.t() @ h[k])
-            if bias is not None:
+            if grad_bias is not None:
                 grad_bias.add_(dz.sum(0))
             logps.append(logp)
             for name, v in (("loss", loss), ("entropy", entropy), ("clipped", clipped)):
                 total[name] += v
         out.update(logp=torch.cat(logps) if logps else h.new_zeros(0, dtype=f32["dtype"]),
                    entropy=total["entropy"], clipped=total["clipped"])
-        ctx.grads = (grad_hidden.view(hidden.shape), grad_weight.to(weight.dtype),
-                     None if bias is None else grad_bias.to(bias.dtype))
+        ctx.grads = (grad_hidden.view(hidden.shape),
+                     None if grad_weight is None else grad_weight.to(weight.dtype),
+                     None if grad_bias is None else grad_bias.to(bias.dtype))
         return total["loss"]
 
     @staticmethod

@@ -129,6 +129,23 @@ def local_device() -> torch.device:
     return torch.device(kind, idx)
 
 
+# dense bf16 tensor-core peaks (TFLOP/s; the datasheets print twice these, with sparsity), the
+# first whose key is in the name the device reports: NVIDIA's H100 and H200 (SXM 989, PCIe 756,
+# NVL 835) and A100 (312). No Ascend entry: no 910B variant's figure was checked against
+# Huawei's own documents here
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
+               ("H200", 989.0), ("A100", 312.0))
+
+
+def peak_tflops() -> float | None:
+    """This device's dense bf16 peak in TFLOP/s, for the update's utilisation (`mfu`); None
+    where unknown (CPU, Ascend, an unlisted card)."""
+    if device_type() != "cuda":
+        return None
+    name = device_module().get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
 def engine_supports_sleep() -> bool:
     """vLLM's sleep mode frees weights and KV cache on CUDA and NPU; the CPU backend lacks it."""
     return device_type() in ("cuda", "npu")
@@ -218,11 +235,12 @@ def sleep_allocator():
     return CaMemAllocator.get_instance()
 
 
-def profiler(trace_dir: str, worker: str):
+def profiler(trace_dir: str | None, worker: str = ""):
     """An unstarted profiler whose trace goes to `trace_dir` when it stops, as TensorBoard's
-    trace handler writes it (Perfetto opens the JSON too): torch's on CPU and CUDA; on Ascend
-    torch_npu's, with NPU activity (op-plugin docs, torch_npu.profiler.profile: the same
-    arguments, its own ProfilerActivity and tensorboard_trace_handler), never run here."""
+    trace handler writes it (Perfetto opens the JSON too; None: no trace, its key_averages()
+    only): torch's on CPU and CUDA; on Ascend torch_npu's, with NPU activity (op-plugin docs,
+    torch_npu.profiler.profile: the same arguments, its own ProfilerActivity and
+    tensorboard_trace_handler), never run here."""
     if device_type() == "npu":
         prof = torch_npu().profiler
         activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
@@ -230,8 +248,8 @@ def profiler(trace_dir: str, worker: str):
         prof = torch.profiler
         activities = [prof.ProfilerActivity.CPU] + (
             [prof.ProfilerActivity.CUDA] if device_type() == "cuda" else [])
-    return prof.profile(activities=activities,
-                        on_trace_ready=prof.tensorboard_trace_handler(trace_dir, worker))
+    return prof.profile(activities=activities, on_trace_ready=None if trace_dir is None else
+                        prof.tensorboard_trace_handler(trace_dir, worker))
 
 
 # ----------------------------------------------------------------------------------------------

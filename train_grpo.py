@@ -114,6 +114,7 @@ class Run:
     opt: torch.optim.Optimizer = None
     sched: object = None
     trainable: int = 0  # the actor's parameters that train
+    flops: tuple = (0, 0)  # the update's FLOPs per token and per output row (flops_per_token)
     turn: weight_sync.EngineTurn = None  # the engine's turn: push, wake, sleep, memory moves
     tracker: tracking.Tracker = None
     profiler: "StepProfiler" = None  # log.profile_steps
@@ -269,6 +270,7 @@ def build(run: Run) -> None:
                    else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
     run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
     run.trainable = fsdp_utils.trainable(run.actor)
+    run.flops = fsdp_utils.flops_per_token(run.actor)
     run.turn = weight_sync.EngineTurn(run.actor, run.opt, run.engine,
                                       offload_on=offload.enabled(cfg.model.offload))
     if cfg.train.resume and (ckpt := checkpoint.latest_checkpoint(cfg.log.out_dir)):
@@ -368,6 +370,12 @@ def step_metrics(run: Run, ro: records.Rollout, scored: grpo.Scored, update: dic
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
         **run.engine.memory_metrics(), **run.turn.metrics()})
     metrics["tokens_per_s"] = metrics.pop("tokens") / update["step_time_s"]
+    # the update's model FLOP utilisation: matrix FLOPs over its seconds, per device
+    flops = (run.flops[0] * metrics.pop("trained_tokens")
+             + run.flops[1] * metrics.pop("trained_rows"))
+    metrics["train_tflops"] = flops / max(update["train_time_s"], 1e-9) / run.world / 1e12
+    if peak := npu_ops.peak_tflops():
+        metrics["mfu"] = metrics["train_tflops"] / peak
     if "gen_tokens" in metrics:  # partial rollout: generated this step, carried tokens included
         metrics["gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(update["gen_time_s"], 1e-9)
     return metrics

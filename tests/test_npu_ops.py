@@ -517,3 +517,22 @@ def test_npu_install_pins_agree():
     assert var["VLLM_ASCEND"] == pins["vllm-ascend"] == stack["vllm-ascend"]
     assert var["TORCH_NPU"] == pins["torch-npu"] == stack["torch-npu"]
     assert var["TORCH"] == pins["torch"]
+
+
+def test_the_peak_behind_mfu_is_the_cards_by_its_name(monkeypatch):
+    """The first key found in the device's name picks the peak: an H100 PCIe is not taken for
+    an SXM one, nor an H200 NVL for an H200; no peak (no `mfu`) on CPU, Ascend or an unknown
+    card."""
+    import types
+
+    assert npu_ops.peak_tflops() is None  # this CPU machine
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "cuda")
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
+             "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.0, "NVIDIA A100-SXM4-80GB": 312.0,
+             "NVIDIA L4": None}
+    for name, peak in names.items():
+        monkeypatch.setattr(npu_ops, "device_module",
+                            lambda n=name: types.SimpleNamespace(get_device_name=lambda: n))
+        assert npu_ops.peak_tflops() == peak, name
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    assert npu_ops.peak_tflops() is None

@@ -59,7 +59,8 @@ def update(model, samples, adv, **cfg):
     model.zero_grad()
     g = grpo.GRPOConfig(is_correction="tis", **cfg)
     logps, stats = grpo.accumulate_gradients(model, samples, adv, None, None, g, 0, "cpu", 0.7, 64)
-    return logps, stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logps, stats, {n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None}
 
 
 def rel(a, b):
@@ -167,3 +168,35 @@ def test_a_packed_row_holds_no_more_samples_than_the_fused_attention_takes():
     plain = types.SimpleNamespace(_attn_implementation=fsdp_utils.register_attention("sdpa"))
     assert logprobs.packed_sample_cap(plain) == 0
     assert len(logprobs.plan_micro_batches(lengths, 16384, packed=True)) == 1
+
+
+def counted_flops(model, samples, adv) -> int:
+    """The matrix FLOPs of one accumulate_gradients pass, as torch's FLOP counter sees the ops
+    run (it has no rule for the in-place addmm_ of the output layer's weight gradient: 2mnk)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inplace = {torch.ops.aten.addmm_: lambda s, a, b, out_shape=None, **kw: 2 * a[0] * a[1] * b[1]}
+    with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
+        update(model, samples, adv)
+    ops = counter.get_flop_counts()["Global"]
+    assert set(map(str, ops)) <= {"aten.mm", "aten.addmm", "aten.addmm_"}  # sdpa: not counted
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_flops_per_token_counts_the_updates_matrix_products(arch, world_of_one):
+    """`mfu` rests on fsdp_utils.flops_per_token: it must equal the FLOPs that torch's counter
+    sees the trainer's own update run, prompts through the body and only response rows through
+    the output layer; with the output layer frozen (tied to the embedding here), its weight
+    gradient is skipped and it costs 4 FLOPs per element and row, not 6."""
+    model, samples = model_for(arch), varied_samples()
+    adv = torch.randn(len(samples), generator=torch.Generator().manual_seed(0))
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    rows = sum(len(s.response_ids) for s in samples)
+    body, head = fsdp_utils.flops_per_token(model)
+    H, V = model.config.hidden_size, model.config.vocab_size
+    assert head == 6 * H * V and body > 0
+    assert counted_flops(model, samples, adv) == body * tokens + head * rows
+    model.get_output_embeddings().weight.requires_grad_(False)
+    assert fsdp_utils.flops_per_token(model) == (body, 4 * H * V)
+    assert counted_flops(model, samples, adv) == body * tokens + 4 * H * V * rows
