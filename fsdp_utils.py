@@ -58,7 +58,7 @@ class ModelConfig:
         "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention",
         "packed_sdpa", "npu_fusion")] = "auto"
     # see kernels.kernel_path
-    fused_kernels: Annotated[str, OneOf("auto", "fused", "reference", "off")] = "auto"
+    fused_kernels: Annotated[str, OneOf("auto", "fused", "compiled", "reference", "off")] = "auto"
     # params + optimizer state in host memory while the engine generates: auto = on where the
     # engine sleeps on an accelerator beside the actor, off on CPU
     offload: Annotated[str, OneOf("auto", "on", "off")] = "auto"

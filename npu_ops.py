@@ -398,6 +398,14 @@ def has_kernels() -> bool:
     return STAND_IN is not None or npu_installed()
 
 
+def inductor_runs() -> bool:
+    """model.fused_kernels=compiled may run here: torch.compile's inductor with a GPU's Triton or
+    CPU's C++. torch_npu ships an inductor backend of its own (torch_npu/_inductor, Triton-Ascend
+    by default since 2.7.1; TORCHINDUCTOR_NPU_BACKEND picks another), which this project has not
+    run: refused on Ascend, whose path is the fused kernels."""
+    return device_type() in ("cuda", "cpu")
+
+
 def fused_by_default() -> bool:
     """model.fused_kernels=auto means fused here: on an Ascend device."""
     return device_type() == "npu"

@@ -87,8 +87,9 @@ def run_one(args, variant: str) -> dict:
     rank, world = init_distributed()
     device = npu_ops.local_device()
     path = model_from_args(args, rank)
-    model = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=path, param_dtype=args.dtype),
-                                   init_device_mesh(npu_ops.device_type(), (world,)))
+    model = fsdp_utils.build_actor(
+        fsdp_utils.ModelConfig(path=path, param_dtype=args.dtype, fused_kernels=args.kernels),
+        init_device_mesh(npu_ops.device_type(), (world,)))
     vocab = model.config.vocab_size
     n, lo = args.samples, args.min_len
     g = torch.Generator().manual_seed(1)
@@ -215,6 +216,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--lengths", choices=["skewed", "uniform", "fixed"], default="skewed")
     p.add_argument("--profile", help="a file for the profile of one packed pass")
+    p.add_argument("--kernels", default="auto", help="model.fused_kernels (compiled: A/B it)")
     p.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:

@@ -71,7 +71,8 @@ def ours(args, shape: str, out: str, timeout: float) -> dict:
            "--rollout.temperature=1.0", "--grpo.kl_coef=0", "--optim.grad_clip=1.0",
            "--grpo.is_correction=tis", "--grpo.is_cap=2.0", "--grpo.loss_agg=token_mean",
            "--model.gradient_checkpointing=false", "--model.param_dtype=bfloat16",
-           "--rollout.dtype=bfloat16", *([] if shape in args.floor_shapes else ["--no-floor"])]
+           "--rollout.dtype=bfloat16", *([] if shape in args.floor_shapes else ["--no-floor"]),
+           *(f"--{item}" for item in args.ours_set)]
     got = run_logged(cmd, os.path.join(out, f"ours_{shape}.log"), timeout)
     return {"trainer": "ours", "shape": shape, **got}
 
@@ -190,6 +191,8 @@ def main() -> None:
                    help="JSON: sequences per TRL micro-batch, per shape")
     p.add_argument("--floor-shapes", nargs="*", default=None,
                    help="shapes whose run of ours also times the bare generation (default all)")
+    p.add_argument("--ours-set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                   help="more overrides of ours, e.g. model.fused_kernels=compiled")
     p.add_argument("--budget-s", type=float, default=0, help="0: no limit")
     p.add_argument("--timeout-s", type=float, default=900, help="per run")
     p.add_argument("--out", default=None, help="a folder for the logs and results.jsonl")

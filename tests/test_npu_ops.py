@@ -112,12 +112,15 @@ def test_kernel_choice(monkeypatch):
     assert kernels.kernel_path("auto") is None  # CPU: leave the model as transformers builds it
     assert kernels.kernel_path("off") is None
     assert kernels.kernel_path("reference") == "reference"
+    assert kernels.kernel_path("compiled") == "compiled"  # inductor's C++ on CPU
     with pytest.raises(ValueError, match="model.fused_kernels=fused needs Ascend's kernel library"):
         kernels.kernel_path("fused")
     with pytest.raises(ValueError, match="model.fused_kernels='fast'"):
         kernels.kernel_path("fast")
     assert npu_ops.attention_implementation("auto") == "sdpa"
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    with pytest.raises(ValueError, match="model.fused_kernels=compiled is not run on this device"):
+        kernels.kernel_path("compiled")  # torch_npu's own inductor backend: untried
     assert kernels.kernel_path("auto") == "fused"
     assert npu_ops.attention_implementation("auto") == "npu_fusion"
     assert npu_ops.attention_implementation("eager") == "eager"

@@ -10,6 +10,7 @@ Samples of very different lengths (2 to 60 tokens) on tiny Qwen2 and Qwen3 model
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -178,9 +179,10 @@ def counted_flops(model, samples, adv) -> int:
     inplace = {torch.ops.aten.addmm_: lambda s, a, b, out_shape=None, **kw: 2 * a[0] * a[1] * b[1]}
     with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
         update(model, samples, adv)
-    ops = counter.get_flop_counts()["Global"]
-    assert set(map(str, ops)) <= {"aten.mm", "aten.addmm", "aten.addmm_"}  # sdpa: not counted
-    return counter.get_total_flops()
+    # the linear layers' products; attention's (bmm where sdpa takes its math path: torch 2.10
+    # on CPU) are left out of flops_per_token by design
+    return sum(n for op, n in counter.get_flop_counts()["Global"].items()
+               if str(op) in ("aten.mm", "aten.addmm", "aten.addmm_"))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -200,3 +202,39 @@ def test_flops_per_token_counts_the_updates_matrix_products(arch, world_of_one):
     model.get_output_embeddings().weight.requires_grad_(False)
     assert fsdp_utils.flops_per_token(model) == (body, 4 * H * V)
     assert counted_flops(model, samples, adv) == body * tokens + 4 * H * V * rows
+
+
+@pytest.mark.parametrize("arch,graphs", [("qwen2", 3), ("qwen3", 4)])
+def test_compiled_kernels_match_transformers_and_compile_once(arch, graphs, world_of_one):
+    """model.fused_kernels=compiled: the trainer's update through the compiled RMSNorm, SwiGLU
+    and rotary functions gives transformers' gradients (fp32; inductor may reorder a norm's
+    sum of squares: a few ulps a layer), and micro-batches of different token counts reuse one
+    graph per function and input rank (qwen3's per-head norms take 4-d input: 4 graphs, not 3).
+    Compiled for fixed shapes, each new row length would compile again, on a GPU at every
+    micro-batch of a run's first steps."""
+    import kernels
+    from torch._dynamo.utils import counters
+
+    model, samples = model_for(arch), varied_samples()
+    adv = torch.randn(len(samples), generator=torch.Generator().manual_seed(0))
+    compiled = copy.deepcopy(model)
+    _, _, want = update(model, samples, adv, micro_batch_tokens=64)
+    kernels.COMPILED.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    saved = {m: m.apply_rotary_pos_emb for m in map(sys.modules.get, (
+        "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3"))
+        if m is not None}
+    try:
+        kernels.patch_qwen(compiled, "compiled")
+        plan = logprobs.plan_micro_batches([len(s.prompt_ids) + len(s.response_ids)
+                                            for s in samples], 64, packed=True)
+        assert len({sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in b)
+                    for b in plan}) >= 3  # rows of at least three lengths
+        _, _, got = update(compiled, samples, adv, micro_batch_tokens=64)
+    finally:
+        for module, fn in saved.items():
+            module.apply_rotary_pos_emb = fn
+    assert counters["stats"]["unique_graphs"] == graphs
+    for name, g in want.items():
+        assert rel(got[name], g) < 1e-5, name
