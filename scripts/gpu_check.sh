@@ -102,9 +102,12 @@ if bench:
     sec = bench["seconds"]
     lines.append(f"bench 0.5B: step {sec['step']:.2f} s (" + ", ".join(
         f"{k} {v:.2f}" for k, v in sec.items() if k != "step") + f"); generate/floor "
-        f"{bench['generate_over_floor']}, logp gap {bench['logp_gap']:.4f}, freed by sleep "
-        f"{bench.get('mem_freed_by_sleep_gb', 'n/a')} GiB, by the actor's offload "
-        f"{bench.get('mem_freed_by_actor_out_gb', 'n/a')} GiB")
+        f"{bench['generate_over_floor']}, logp gap {bench['logp_gap']:.4f}, update "
+        f"{bench['train_tflops']} TFLOP/s (mfu {bench.get('mfu', 'n/a')}), freed by sleep "
+        f"{bench.get('mem_freed_by_sleep_gb', 'n/a')} GiB, by the offload "
+        f"{bench.get('mem_freed_by_optimizer_out_gb', 'n/a')} (optimizer) + "
+        f"{bench.get('mem_freed_by_actor_out_gb', 'n/a')} (actor) GiB of the "
+        f"{bench.get('offload_host_gb', 'n/a')} GiB it moved to host memory")
 else:
     lines.append(f"bench 0.5B: exit {rc.get('bench', 'not run')}, no result")
 lora = metrics("lora")
