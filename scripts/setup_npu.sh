@@ -36,12 +36,15 @@ if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -z "${ASCEND_HOME_PATH:-}" ]; then
   exit 1
 fi
 installed() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
+# x86: torch's CPU builds instead of PyPI's CUDA ones, for every install (vLLM-Ascend's guide
+# sets this index globally): vllm-ascend 0.23.0 pins torchvision==0.25.0 and torchaudio==2.10.0,
+# which PyPI would otherwise serve as CUDA builds beside torch 2.10.0+cpu
+INDEX=()
+[ "$(uname -m)" = x86_64 ] && INDEX=(--extra-index-url https://download.pytorch.org/whl/cpu/)
+pip_install() { "$PY" -m pip install ${INDEX[@]+"${INDEX[@]}"} "$@"; }
 
 if [ "$(installed vllm-ascend)" != "$VLLM_ASCEND" ]; then
-  extra=()
-  # x86 only: torch's CPU build instead of PyPI's CUDA one (vLLM-Ascend's guide suggests this index)
-  [ "$(uname -m)" = x86_64 ] && extra=(--extra-index-url https://download.pytorch.org/whl/cpu/)
-  "$PY" -m pip install "${extra[@]}" "torch==$TORCH" "torch-npu==$TORCH_NPU"
+  pip_install "torch==$TORCH" "torch-npu==$TORCH_NPU"
   # PyPI's vllm-ascend wheels are built for A2 (their _build_info.py): refuse them on another chip
   "$PY" -c 'import sys, torch_npu, ascend_checks as a
 try: a.check_device_type("A2", torch_npu.npu.get_soc_version())
@@ -49,12 +52,24 @@ except ValueError as e: sys.exit(f"setup_npu.sh: PyPI wheel of vllm-ascend: {e}"
   if [ ! -d "$SRC/vllm" ]; then
     git clone --depth 1 --branch "$VLLM_TAG" https://github.com/vllm-project/vllm "$SRC/vllm"
   fi
-  VLLM_TARGET_DEVICE=empty "$PY" -m pip install "$SRC/vllm"
-  "$PY" -m pip install \
+  tag=$(git -C "$SRC/vllm" describe --tags --exact-match 2>/dev/null || echo "no tag")
+  if [ "$tag" != "$VLLM_TAG" ]; then
+    echo "setup_npu.sh: $SRC/vllm is at $tag, not $VLLM_TAG. Fix: remove it (rm -rf $SRC/vllm)" >&2
+    echo "  and run again, or point SRC at another folder" >&2
+    exit 1
+  fi
+  # the build's own requirements (vLLM 0.23.0 pyproject.toml, [build-system]) but its
+  # torch == 2.11.0, which build isolation would fetch (and fail to, on a node whose package
+  # index has none): built without isolation against the torch 2.10 installed above (the
+  # "empty" target compiles nothing; its setup.py only imports torch)
+  pip_install "cmake>=3.26.1" ninja "packaging>=24.2" "setuptools>=77.0.3,<81.0.0" \
+    "setuptools-scm>=8.0" "setuptools-rust>=1.9.0" wheel jinja2
+  VLLM_TARGET_DEVICE=empty pip_install --no-build-isolation "$SRC/vllm"
+  pip_install \
     --extra-index-url https://mirrors.huaweicloud.com/ascend/repos/pypi/variant \
     --extra-index-url https://mirrors.huaweicloud.com/ascend/repos/pypi \
     "vllm-ascend==$VLLM_ASCEND"
 fi
-"$PY" -m pip install -r requirements-npu.txt
+pip_install -r requirements-npu.txt
 # the start-up checks of the trainer, on the installed versions (no model, no device needed)
 "$PY" -c 'import os, ascend_checks as a; v = a.installed_versions(); print(v); a.check_ascend({**os.environ, "VLLM_ASCEND_ENABLE_NZ": "0"}, v)'

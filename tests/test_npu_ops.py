@@ -539,3 +539,72 @@ def test_the_peak_behind_mfu_is_the_cards_by_its_name(monkeypatch):
         assert npu_ops.peak_tflops() == peak, name
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
     assert npu_ops.peak_tflops() is None
+
+
+STAND_IN_PYTHON = r'''#!/usr/bin/env bash
+# python for setup_npu.sh: answers its -c checks, logs each pip install, and fails one the way
+# pip would on the node the test describes (the PyPI facts in setup_npu.sh's comments)
+if [ "$1" = -c ]; then
+  case "$2" in *importlib.metadata*) exit 1 ;; esac  # nothing installed yet
+  exit 0
+fi
+shift 3  # -m pip install
+echo "VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-} $*" >>"$LOG"
+if [ "$(uname -m)" = x86_64 ] && [[ " $* " != *" --extra-index-url https://download.pytorch.org/whl/cpu/ "* ]]; then
+  echo "pip: torchvision==0.25.0 from PyPI is the CUDA build" >&2; exit 1
+fi
+if [[ "$*" == *grpo-npu-src/vllm* ]] && [[ " $* " != *" --no-build-isolation "* ]]; then
+  echo "pip: build isolation: no matching distribution for torch==2.11.0" >&2; exit 1
+fi
+'''
+STAND_IN_GIT = r'''#!/usr/bin/env bash
+# git for setup_npu.sh: a clone records its tag; describe reads it back
+if [ "$1" = clone ]; then mkdir -p "${@: -1}"; echo "$5" >"${@: -1}/.tag"; exit 0; fi
+if [ "$1" = -C ]; then cat "$2/.tag"; exit 0; fi
+exit 2
+'''
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+@pytest.mark.parametrize("clone", [None, "v0.23.0", "v0.22.0"])
+def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path, machine, clone):
+    """scripts/setup_npu.sh against stand-ins of python/pip, git and uname (on PATH; CANN's
+    variable set): on x86 every pip install takes torch's CPU index (vllm-ascend 0.23.0 pins
+    torchvision 0.25.0, which PyPI serves as a CUDA build), on Arm none; vLLM's source build
+    runs without build isolation (its pyproject wants torch 2.11.0) after its other build
+    requirements; a clone left at another tag is refused with the fix, before any build."""
+    import subprocess
+
+    from conftest import ROOT
+
+    bin_dir, src = tmp_path / "bin", tmp_path / "grpo-npu-src"
+    bin_dir.mkdir()
+    for name, text in (("python", STAND_IN_PYTHON), ("git", STAND_IN_GIT),
+                       ("uname", f"#!/usr/bin/env bash\necho {machine}\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    if clone:
+        (src / "vllm").mkdir(parents=True)
+        (src / "vllm" / ".tag").write_text(clone + "\n")
+    log = tmp_path / "pip.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python"), "SRC": str(src),
+           "ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest", "LOG": str(log),
+           "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", "scripts/setup_npu.sh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    lines = log.read_text().splitlines() if log.exists() else []
+    if clone == "v0.22.0":
+        assert out.returncode == 1 and "is at v0.22.0, not v0.23.0" in out.stderr
+        assert "rm -rf" in out.stderr and not any("grpo-npu-src" in x for x in lines)
+        return
+    assert out.returncode == 0, out.stderr
+    cpu_index = "--extra-index-url https://download.pytorch.org/whl/cpu/"
+    assert all((cpu_index in x) == (machine == "x86_64") for x in lines), lines
+    build = next(i for i, x in enumerate(lines) if "grpo-npu-src/vllm" in x)
+    assert lines[build].startswith("VLLM_TARGET_DEVICE=empty ") and "--no-build-isolation" in \
+        lines[build]
+    requirements = lines[build - 1].split()
+    assert "setuptools-rust>=1.9.0" in requirements
+    assert not any(x.startswith("torch") for x in requirements)  # the installed 2.10 builds it
+    assert [x.split()[-1] for x in lines[build + 1:]] == ["vllm-ascend==0.23.0",
+                                                           "requirements-npu.txt"]
