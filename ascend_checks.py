@@ -5,6 +5,7 @@ device; npu_ops runs these checks where torch-npu is installed (check_platform) 
 engine's applied settings back itself."""
 
 import importlib.metadata
+import os
 
 # vLLM-Ascend reads the weight NZ mode from additional_config's weight_nz_mode from 0.20.2rc1 on
 # (ascend_config.py; VLLM_ASCEND_ENABLE_NZ is its deprecated fallback there), before from the
@@ -112,6 +113,74 @@ def _engine_start(errors: list, warnings: list, env: dict, versions: dict,
                         f"({str(matmul_allreduce).lower()})")
 
 
+def _integer(value: str | None, lo: int, hi: int | None = None) -> bool:
+    return value is not None and value.strip().isdigit() and lo <= int(value) <= (hi or int(value))
+
+
+def _hccl(errors: list, warnings: list, env: dict) -> None:
+    """HCCL's variables against the ranges of CANN 9.1.0's environment variable reference
+    (HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT, HCCL_BUFFSIZE, HCCL_IF_BASE_PORT): a value out of
+    range is an error before any process group forms, not a hang or a failed link later."""
+    bad = []
+    for name, lo, hi, what in (("HCCL_CONNECT_TIMEOUT", 120, 7200, "whole seconds, 120-7200"),
+                               ("HCCL_BUFFSIZE", 1, None, "whole MB, at least 1"),
+                               ("HCCL_IF_BASE_PORT", 1024, 65520, "a port, 1024-65520")):
+        if env.get(name) is not None and not _integer(env[name], lo, hi):
+            bad.append(f"{name}={env[name]!r} ({what})")
+    exec_s = env.get("HCCL_EXEC_TIMEOUT")
+    try:
+        ok = exec_s is None or float(exec_s) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        bad.append(f"HCCL_EXEC_TIMEOUT={exec_s!r} (seconds, 0 or more)")
+    if bad:
+        errors.append("HCCL settings out of CANN's documented ranges: " + "; ".join(bad)
+                      + ". Fix: correct or unset them")
+    elif exec_s is not None and env.get("HCCL_OP_EXPANSION_MODE") == "AIV" and (
+            float(exec_s) == 0 or float(exec_s) > 1091):
+        warnings.append(f"HCCL_EXEC_TIMEOUT={exec_s} with HCCL_OP_EXPANSION_MODE=AIV: HCCL takes "
+                        "1091 s (AIV's limit; 0 does not mean never there)")
+
+
+def hccl_summary(env: dict) -> str:
+    """One line for the log: what HCCL will use, with CANN 9.1.0's documented defaults where a
+    variable is unset (a collective under AIV expansion waits at most 1091 s on the device,
+    whatever train.dist_timeout_s allows on the host)."""
+    aiv = env.get("HCCL_OP_EXPANSION_MODE") == "AIV"
+    exec_s = env.get("HCCL_EXEC_TIMEOUT", "1091" if aiv else "1836")
+    return (f"HCCL: connect timeout {env.get('HCCL_CONNECT_TIMEOUT', '120')} s, exec timeout "
+            f"{exec_s} s{' (AIV: at most 1091)' if aiv else ''}, buffer "
+            f"{env.get('HCCL_BUFFSIZE', '200')} MB x2 per communicator, host ports from "
+            f"{env.get('HCCL_IF_BASE_PORT', '60000')}, expansion "
+            f"{env.get('HCCL_OP_EXPANSION_MODE', 'HCCL decides')}")
+
+
+def stack_versions(env: dict) -> dict:
+    """CANN's and the driver's versions as their installers record them (the first version= line
+    of the toolkit's <arch>-linux/ascend_toolkit_install.info under ASCEND_TOOLKIT_HOME or
+    ASCEND_HOME_PATH, and of /usr/local/Ascend/driver/version.info; CANN's installation guide
+    names the first; not read on a node by this project: None where absent), and the Python
+    packages' (installed_versions)."""
+    import glob
+
+    home = env.get("ASCEND_TOOLKIT_HOME") or env.get("ASCEND_HOME_PATH") or ""
+    found = {"cann": glob.glob(os.path.join(home, "*-linux", "ascend_toolkit_install.info"))
+             if home else [], "driver": ["/usr/local/Ascend/driver/version.info"]}
+    out = {}
+    for name, paths in found.items():
+        out[name] = None
+        for path in paths:
+            try:
+                with open(path) as f:
+                    out[name] = next((line.split("=", 1)[1].strip() for line in f
+                                      if line.lower().startswith("version=")), None)
+            except OSError:
+                continue
+            break
+    return {**out, **installed_versions()}
+
+
 def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, lora: bool = False, matmul_allreduce: bool = False,
                  tp_size: int = 1, soc: str | None = None) -> list:
@@ -125,6 +194,7 @@ def check_ascend(env: dict, versions: dict, graph_mode: bool = False, temperatur
 
     errors, warnings = [], []
     _engine_start(errors, warnings, env, versions, matmul_allreduce, tp_size, soc)
+    _hccl(errors, warnings, env)
     if graph_mode and env.get("TASK_QUEUE_ENABLE") == "2":
         errors.append("TASK_QUEUE_ENABLE=2 with rollout.enforce_eager=false (graph mode): "
                       "torch-npu refuses graph capture at level 2. Fix: export "

@@ -34,7 +34,8 @@ import sys
 # user had set, so that torch_npu's 0 is not taken for the user's; `setup_env` adds the rest.
 
 ASCEND_ENV = ("TASK_QUEUE_ENABLE", "HCCL_OP_EXPANSION_MODE", "VLLM_ASCEND_ENABLE_NZ",
-              "CPU_AFFINITY_CONF", "PYTORCH_NPU_ALLOC_CONF", "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE")
+              "CPU_AFFINITY_CONF", "PYTORCH_NPU_ALLOC_CONF", "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE",
+              "HCCL_CONNECT_TIMEOUT")
 
 
 def npu_installed() -> bool:
@@ -56,11 +57,15 @@ def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
     - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
     - CPU_AFFINITY_CONF=1: torch_npu binds its threads (main, task queue, release, HCCL watchdog)
       to its card's share of the cores (NPUAffinityController.cpp); 2 gives each its own core.
-      vLLM-Ascend's process-wide binding is switched off instead (`engine_kwargs`).
+      vLLM-Ascend's process-wide binding is switched off instead (`engine_kwargs`);
+    - HCCL_CONNECT_TIMEOUT=1200: HCCL links ranks at a communicator's first collective and
+      waits 120 s by default (CANN 9.1.0's variable reference: 120-7200 s); rank 0 reads the
+      whole checkpoint before the first broadcast (fsdp_utils) and the ranks' engines start at
+      their own speeds, which can part them by more than that.
     The fused matmul + all-reduce (MC2) is no variable here: `engine_kwargs` passes
     rollout.matmul_allreduce to the engine (off by default)."""
     env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "VLLM_ASCEND_ENABLE_NZ": "0",
-           "CPU_AFFINITY_CONF": "1"}
+           "CPU_AFFINITY_CONF": "1", "HCCL_CONNECT_TIMEOUT": "1200"}
     if not matmul_allreduce:
         env["HCCL_OP_EXPANSION_MODE"] = "AIV"
     if sleep_mode:
@@ -373,9 +378,11 @@ def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: fl
     if npu_installed():
         gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce))
         env = {k: v for k, v in os.environ.items() if k not in gone}
-        for line in ascend_checks.check_ascend(env, ascend_checks.installed_versions(),
-                                               graph_mode, temperature, top_p, lora,
-                                               matmul_allreduce, tp_size, ascend_soc()):
+        versions = ascend_checks.stack_versions(env)
+        log.info("Ascend stack: %s", ", ".join(f"{k} {v}" for k, v in versions.items()))
+        log.info(ascend_checks.hccl_summary(env))
+        for line in ascend_checks.check_ascend(env, versions, graph_mode, temperature, top_p,
+                                               lora, matmul_allreduce, tp_size, ascend_soc()):
             log.warning(line)
 
 

@@ -29,6 +29,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Annotated
 
 import npu_ops  # first: it sets the Ascend environment before torch (and its backends) load
@@ -74,6 +75,10 @@ class TrainConfig:
     seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
     # continue from the newest checkpoint in log.out_dir, if there is one
     resume: Annotated[bool, FLAG] = False
+    # how long a collective waits for the slowest rank (a longer rollout, rank 0's checkpoint
+    #   save) before the run stops: init_process_group's timeout. On Ascend, HCCL's own limit
+    #   applies too (1091 s under AIV expansion: docs/platforms.md)
+    dist_timeout_s: Annotated[int, Range(60)] = 1800
 
 
 @dataclass
@@ -178,7 +183,7 @@ def setup(cfg: Config) -> Run:
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
                             matmul_allreduce=cfg.rollout.matmul_allreduce)
-    run = Run(cfg, *init_distributed())
+    run = Run(cfg, *init_distributed(cfg.train.dist_timeout_s))
     _OPEN = weakref.ref(run)
     try:
         run.log_handler = tracking.log_to_console(run.rank)
@@ -416,8 +421,9 @@ def train(cfg: Config) -> dict:
     return metrics
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's process group, or make a world of one (notebook, plain python)."""
+def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
+    """Join torchrun's process group, or make a world of one (notebook, plain python); a
+    collective waits `timeout_s` for the other ranks (train.dist_timeout_s)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # not under torchrun: a one-rank world on a free port
             import socket
@@ -428,7 +434,7 @@ def init_distributed() -> tuple[int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         npu_ops.local_device()  # pick this rank's device before the process group binds one
-        dist.init_process_group(npu_ops.dist_backend())
+        dist.init_process_group(npu_ops.dist_backend(), timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

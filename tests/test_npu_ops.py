@@ -165,7 +165,8 @@ def test_ascend_env_defaults():
     eager = npu_ops.ascend_env_defaults(graph_mode=False, sleep_mode=True)
     assert eager == {"TASK_QUEUE_ENABLE": "2", "HCCL_OP_EXPANSION_MODE": "AIV",
                      "VLLM_ASCEND_ENABLE_NZ": "0", "CPU_AFFINITY_CONF": "1",
-                     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
+                     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False",
+                     "HCCL_CONNECT_TIMEOUT": "1200"}
     graph = npu_ops.ascend_env_defaults(graph_mode=True, sleep_mode=False)
     assert graph["TASK_QUEUE_ENABLE"] == "1" and "PYTORCH_NPU_ALLOC_CONF" not in graph
     # MC2 goes through the engine's additional_config, not a variable; with it on, the AIV
@@ -608,3 +609,71 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     assert not any(x.startswith("torch") for x in requirements)  # the installed 2.10 builds it
     assert [x.split()[-1] for x in lines[build + 1:]] == ["vllm-ascend==0.23.0",
                                                            "requirements-npu.txt"]
+
+
+@pytest.mark.parametrize("name, value, ok", [
+    ("HCCL_CONNECT_TIMEOUT", "1200", True), ("HCCL_CONNECT_TIMEOUT", "119", False),
+    ("HCCL_CONNECT_TIMEOUT", "7201", False), ("HCCL_CONNECT_TIMEOUT", "600s", False),
+    ("HCCL_BUFFSIZE", "1", True), ("HCCL_BUFFSIZE", "0", False), ("HCCL_BUFFSIZE", "2e2", False),
+    ("HCCL_IF_BASE_PORT", "50000", True), ("HCCL_IF_BASE_PORT", "1023", False),
+    ("HCCL_IF_BASE_PORT", "65521", False), ("HCCL_EXEC_TIMEOUT", "0.05", True),
+    ("HCCL_EXEC_TIMEOUT", "-1", False), ("HCCL_EXEC_TIMEOUT", "long", False)])
+def test_hccl_settings_out_of_cann_s_ranges_stop_the_run_before_any_process_group(
+        name, value, ok):
+    """CANN 9.1.0's variable reference: HCCL_CONNECT_TIMEOUT whole seconds in [120, 7200],
+    HCCL_BUFFSIZE whole MB >= 1, HCCL_IF_BASE_PORT in [1024, 65520], HCCL_EXEC_TIMEOUT seconds
+    >= 0 (tens of ms allowed). Out of range: one error naming the variable, its value and range."""
+    env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb", name: value}
+    versions = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
+    if ok:
+        ascend_checks.check_ascend(env, versions)
+        return
+    with pytest.raises(ValueError, match=f"{name}={value!r}"):
+        ascend_checks.check_ascend(env, versions)
+
+
+def test_hccl_summary_and_the_aiv_cap():
+    """The log line names what HCCL will use, CANN's defaults where unset; under AIV expansion
+    the device-side wait is capped at 1091 s, so a larger or 0 ("never") value warns."""
+    versions = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
+    env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb"}
+    assert ascend_checks.hccl_summary(env) == (
+        "HCCL: connect timeout 120 s, exec timeout 1836 s, buffer 200 MB x2 per communicator, "
+        "host ports from 60000, expansion HCCL decides")
+    aiv = {**env, **npu_ops.ascend_env_defaults()}
+    assert ascend_checks.hccl_summary(aiv).startswith(
+        "HCCL: connect timeout 1200 s, exec timeout 1091 s (AIV: at most 1091)")
+    for value, warns in (("600", False), ("0", True), ("3600", True)):
+        lines = ascend_checks.check_ascend({**aiv, "HCCL_EXEC_TIMEOUT": value}, versions)
+        assert any("HCCL takes 1091 s" in line for line in lines) == warns, value
+
+
+def test_stack_versions_read_the_installers_records(tmp_path):
+    """CANN's toolkit records its version in <arch>-linux/ascend_toolkit_install.info (its
+    installation guide's file paths); absent files give None, never an error."""
+    info = tmp_path / "aarch64-linux" / "ascend_toolkit_install.info"
+    info.parent.mkdir()
+    info.write_text("package_name=Ascend-cann-toolkit\nversion=9.1.0\narch=aarch64\n")
+    got = ascend_checks.stack_versions({"ASCEND_TOOLKIT_HOME": str(tmp_path)})
+    assert got["cann"] == "9.1.0" and "driver" in got and "vllm-ascend" in got
+    assert ascend_checks.stack_versions({})["cann"] is None
+
+
+def test_the_process_group_waits_train_dist_timeout_s(monkeypatch):
+    """train.dist_timeout_s reaches init_process_group's timeout (torch's own default would be
+    10 minutes for NCCL/HCCL, too short for a rank whose rollout runs long)."""
+    import datetime
+
+    import train_grpo
+
+    seen = {}
+    monkeypatch.setattr(train_grpo.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(train_grpo.dist, "init_process_group",
+                        lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
+    monkeypatch.setattr(train_grpo.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = train_grpo.load_config(None, ["--train.dist_timeout_s=2700"])
+    train_grpo.init_distributed(cfg.train.dist_timeout_s)
+    assert seen["timeout"] == datetime.timedelta(seconds=2700)
