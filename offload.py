@@ -22,7 +22,8 @@ two is not rounded. Tensors are laid end to end and may straddle two chunks.
 Who moves what when: weight_sync.EngineTurn (the actor and its optimizer state, around the
 engine's turn), and `on_device` (the frozen reference, around its forward passes).
 
-Not run on an accelerator by this code yet (tests/test_gpu.py measures it there).
+Run on an H100 by tests/test_device.py (scripts/gpu_check.sh; docs/benchmarks.md); not on an
+Ascend device (scripts/npu_check.sh would).
 """
 
 import contextlib

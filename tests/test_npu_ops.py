@@ -3,6 +3,7 @@ environment, and the start-up checks. No NPU is used: the stand-in implements to
 documented signatures and layout rules in plain torch, written independently of npu_ops."""
 
 import copy
+import json
 import os
 import sys
 
@@ -677,3 +678,26 @@ def test_the_process_group_waits_train_dist_timeout_s(monkeypatch):
     cfg = train_grpo.load_config(None, ["--train.dist_timeout_s=2700"])
     train_grpo.init_distributed(cfg.train.dist_timeout_s)
     assert seen["timeout"] == datetime.timedelta(seconds=2700)
+
+
+@pytest.mark.parametrize("line, fails", [("step 3 ok", False), ("[ERROR] EZ9999: Inner Error!", True),
+                                         ("RuntimeError: ERR00100 PTA call acl api failed", True),
+                                         ("CUDA error: invalid argument", False)])
+def test_npu_check_fails_on_a_cann_error_line(tmp_path, line, fails):
+    """scripts/npu_check.sh (gpu_check.sh's parts and summary): a part that exited 0 but whose
+    log holds a CANN error code (EZ9999, ...) or torch_npu's (ERR00100, ...) fails the check;
+    CUDA's error lines are gpu_check.sh's to count."""
+    import subprocess
+
+    from conftest import ROOT
+
+    (tmp_path / "tiny").mkdir()
+    rows = [{"step": s, "reward_mean": 0.5, "step_time_s": 1.0, "logp_gap": 1e-4} for s in (1, 2)]
+    (tmp_path / "tiny" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tiny.log").write_text(f"starting\n{line}\n")
+    (tmp_path / "tiny.rc").write_text("0\n")
+    out = subprocess.run(["bash", "scripts/npu_check.sh"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "OUT": str(tmp_path), "PARTS": "",
+                                         "PYTHON": sys.executable})
+    assert out.returncode == (1 if fails else 0), out.stdout + out.stderr
+    assert f"runtime error lines: {{'tiny': {int(fails)}}}" in out.stdout, out.stdout

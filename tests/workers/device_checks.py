@@ -1,4 +1,5 @@
-"""One CUDA rank: what CPU cannot show about memory and bf16 numerics (tests/test_gpu.py runs it).
+"""One rank on an accelerator (a GPU or an NPU): what CPU cannot show about memory and bf16
+numerics (tests/test_device.py runs it).
 
 1. The engine's turn (weight_sync.EngineTurn, model.offload on) gives the device back: after
    both moves to host memory, the device memory in use (every allocator, as the engine sees it)
@@ -13,8 +14,8 @@
 3. The engine's sleep frees at least its KV cache.
 4. An update in which no rank has a token to learn from (every group dropped) runs: its
    gradient norm is a device tensor like any other step's.
-Prints GPU_CHECKS_OK and one JSON line of what it measured.
-Usage: python tests/workers/gpu_checks.py MODEL_DIR
+Prints DEVICE_CHECKS_OK and one JSON line of what it measured.
+Usage: python tests/workers/device_checks.py MODEL_DIR
 """
 
 import json
@@ -39,7 +40,7 @@ KV_BYTES = 1 << 30
 model_dir = sys.argv[1]
 npu_ops.setup_env(sleep_mode=True)
 rank, world = init_distributed()
-assert npu_ops.device_type() == "cuda" and npu_ops.engine_supports_sleep()
+assert npu_ops.device_type() != "cpu" and npu_ops.engine_supports_sleep()
 device = npu_ops.local_device()
 engine = rollout.Engine(rollout.RolloutConfig(dtype="bfloat16", max_model_len=256,
                                               kv_cache_memory_bytes=KV_BYTES, max_new_tokens=8),
@@ -73,13 +74,13 @@ state_to_host, params_to_host = turn.state.to_host, turn.params.to_host
 
 
 def optimizer_out(*args):
-    allocated.append(torch.cuda.memory_allocated())
+    allocated.append(npu_ops.memory_gb()["allocated"])
     state_to_host(*args)
 
 
 def actor_out(*args):
     params_to_host(*args)
-    allocated.append(torch.cuda.memory_allocated())
+    allocated.append(npu_ops.memory_gb()["allocated"])
 
 
 turn.state.to_host, turn.params.to_host = optimizer_out, actor_out
@@ -109,7 +110,7 @@ layers = actor.config.num_hidden_layers
 bound = 2 * (2 * layers + 2) * 2.0**-8
 result = {"state_gb": state_bytes / 2**30, "freed_by_offload_gb": freed_by_offload,
           "host_gb": host_bytes / 2**30,
-          "allocated_freed_by_offload_gb": (allocated[0] - allocated[1]) / 2**30,
+          "allocated_freed_by_offload_gb": allocated[0] - allocated[1],
           "kv_cache_gb": KV_BYTES / 2**30, "freed_by_sleep_gb": freed_by_sleep,
           "logp_gap_mean": gaps.mean().item(), "logp_gap_max": gaps.max().item(),
           "logp_gap_bound": bound}
@@ -118,4 +119,4 @@ assert freed_by_offload >= 0.9 * state_bytes / 2**30, result
 assert freed_by_sleep >= KV_BYTES / 2**30, result
 assert result["logp_gap_mean"] < bound and result["logp_gap_max"] < 4 * bound, result
 engine.shutdown()
-print("GPU_CHECKS_OK")
+print("DEVICE_CHECKS_OK")
