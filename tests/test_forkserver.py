@@ -9,9 +9,11 @@ from conftest import launch, run_python
 
 pytestmark = pytest.mark.main_only  # the test harness: no library version enters it
 
-SHOW = ("import json, os, sys; print('ENV ' + json.dumps([{k: v for k, v in os.environ.items() "
-        "if k.startswith(('RANK', 'LOCAL_', 'WORLD_', 'GROUP_', 'ROLE_', 'MASTER_', "
-        "'TORCHELASTIC_'))}, sys.argv]))")
+# one write per rank: two ranks share the pipe, and print's text and newline can be two writes
+# (unbuffered output) that the other rank's line lands between
+SHOW = ("import json, os, sys; os.write(1, ('ENV ' + json.dumps([{k: v for k, v in "
+        "os.environ.items() if k.startswith(('RANK', 'LOCAL_', 'WORLD_', 'GROUP_', 'ROLE_', "
+        "'MASTER_', 'TORCHELASTIC_'))}, sys.argv]) + '\\n').encode())")
 
 
 def shown(out: str) -> list[tuple[dict, list]]:
@@ -25,7 +27,7 @@ def test_ranks_see_what_torchrun_gives_its_ranks(tmp_path):
     and the two of its agent's own) and the same argv as under torchrun, for a script run as
     __main__."""
     script = tmp_path / "show.py"
-    script.write_text(SHOW.replace("; print", "\nassert __name__ == '__main__'\nprint"))
+    script.write_text(SHOW.replace("; os.write", "\nassert __name__ == '__main__'\nos.write"))
     forked = shown(launch([str(script), "a", "--b=1"]))
     real = shown(launch([str(script), "a", "--b=1"], torchrun=True))
     assert len(forked) == len(real) == 2
