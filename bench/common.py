@@ -1,9 +1,9 @@
 """Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download; `timed`,
 how the benchmarks time a call; and `profiled`, what one call did on the device, in counts.
 
-`SHAPES` names real models' shapes (and a tiny one for CPU checks); `random_qwen2` writes one (fp32 weights, the tiny task's
-tokenizer, padded with extra tokens to the model's vocabulary so every id the engine samples
-decodes) once under the temp dir, and returns its directory.
+`SHAPES` names real models' shapes (and a tiny one for CPU checks); `random_qwen2` writes one
+(fp32 weights, the tiny task's tokenizer, padded with extra tokens to the model's vocabulary so
+every id the engine samples decodes) once under the temp dir, and returns its directory.
 """
 
 import json

@@ -10,10 +10,10 @@ one JSON line.
 The batch: `--samples` sequences whose lengths run from `--min-len` to 4x that (prompt of
 `--prompt` tokens included): `--lengths uniform` spreads them evenly; `skewed` (the default) puts
 most near the short end with a tail to the long one, as sampled responses are (GSM8K: most
-short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]; `fixed` makes
-every one `--min-len` long (bench/step.py's batch, whose responses all run to the limit). Each variant
-runs in fresh processes (a process's peak memory only grows), `--world` of them under torchrun,
-rank r taking samples r, r + world, ... as the trainer splits a batch:
+short, a few near the limit): length = min * 4 ** (x ** 2) for x evenly over [0, 1]; `fixed`
+makes every one `--min-len` long (bench/step.py's batch, whose responses all run to the limit).
+Each variant runs in fresh processes (a process's peak memory only grows), `--world` of them
+under torchrun, rank r taking samples r, r + world, ... as the trainer splits a batch:
 - packed / padded: grpo.pack true / false, tokens per second of real (unpadded) tokens over all
   ranks, forward and backward, median of `--repeats` after one warm-up;
 - chunked / unchunked: grpo.logprob_chunk 1024 / all rows at once; the peak memory of the steps
@@ -249,7 +249,8 @@ def main() -> None:
         "bare_fwd_bwd_s": bare and round(bare, 4),  # None: it ran out of memory
         "update_over_gemm": round(update / gemm, 2),
         "update_over_bare": bare and round(update / bare, 2),
-        "bare_over_gemm": bare and round(bare / gemm, 2), "update_tflops": round(pk["update_tflops"], 2),
+        "bare_over_gemm": bare and round(bare / gemm, 2),
+        "update_tflops": round(pk["update_tflops"], 2),
         **{k: pk[k] for k in ("update_profile",) if k in pk}}))
 
 

@@ -117,7 +117,8 @@ def trl_worker(args) -> None:
     per_step = PROMPTS * G
     config = trl_lib.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="vs_trl_"), report_to="none", save_strategy="no",
-        seed=0, bf16=True, use_cpu=npu_ops.device_type() == "cpu", max_steps=args.steps, learning_rate=1e-6, weight_decay=0.01,
+        seed=0, bf16=True, use_cpu=npu_ops.device_type() == "cpu", max_steps=args.steps,
+        learning_rate=1e-6, weight_decay=0.01,
         lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.0, loss_type="dapo",
         per_device_train_batch_size=args.micro, gradient_accumulation_steps=per_step // args.micro,
         num_generations=G, max_completion_length=args.new_tokens, temperature=1.0,
