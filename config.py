@@ -19,6 +19,7 @@ import torch
 import domains
 import episodes
 import fsdp_utils
+import grpo
 import kernels
 import npu_ops
 import offload
@@ -251,6 +252,7 @@ def validate(cfg, world_size: int) -> None:
         rewards.validate(cfg.reward)  # every reward function resolves, in this process
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
+        grpo.validate(cfg.grpo)  # the surrogates' rules
     except ValueError as e:
         raise BadInput(str(e)) from None
     _check_paths(cfg)

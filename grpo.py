@@ -43,6 +43,7 @@ from domains import FLAG, OneOf, Range
 
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
 
 
 @dataclass
@@ -57,6 +58,14 @@ class GRPOConfig:
     # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.2
     clip_high: Annotated[float, Range(0)] = 0.2  # DAPO's "clip-higher" raises this (0.28)
+    # the surrogate (grpo_loss): ppo, PPO's clipped token ratio (GRPO, DAPO); gspo, the
+    #   sequence's ratio (geometric mean of its tokens'), clipped (Zheng et al. 2025, arXiv
+    #   2507.18071: loss_agg seq_mean, clips of ~3e-4); cispo, the token ratio capped at
+    #   1 + clip_high and detached, so every token keeps a gradient (MiniMax-M1, arXiv
+    #   2506.13585); sapo, a smooth gate of the ratio instead of the clip (arXiv 2511.20347)
+    policy_loss: Annotated[str, OneOf(*POLICY_LOSSES)] = "ppo"
+    sapo_tau_pos: Annotated[float, Range(0, lo_open=True)] = 1.0  # SAPO's gate temperature, A > 0
+    sapo_tau_neg: Annotated[float, Range(0, lo_open=True)] = 1.05  # and A <= 0 (the paper's)
     ppo_epochs: Annotated[int, Range(1)] = 1  # passes over each rollout
     # optimizer steps per pass; >1 epochs or mini-batches: off-policy
     mini_batches: Annotated[int, Range(1)] = 1
@@ -82,6 +91,30 @@ class GRPOConfig:
     pack: Annotated[bool, FLAG] = True
     # output-layer rows at a time: at most (chunk x vocab) fp32 logits
     logprob_chunk: Annotated[int, Range(1)] = 1024
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """The `grpo` fields across each other, where a surrogate's paper rules a combination out; a
+    one-line ValueError naming the fields and the fix."""
+    defaults = GRPOConfig()
+    if cfg.policy_loss == "gspo" and cfg.loss_agg != "seq_mean":
+        raise ValueError(f"grpo.policy_loss=gspo with grpo.loss_agg={cfg.loss_agg}: GSPO's "
+                         "objective is a mean over sequences of each sequence's term, which "
+                         "seq_mean alone gives. Fix: grpo.loss_agg=seq_mean")
+    if cfg.policy_loss == "gspo" and cfg.is_correction == "tis":
+        raise ValueError("grpo.policy_loss=gspo with grpo.is_correction=tis: GSPO weighs whole "
+                         "sequences, TIS single tokens, and a sequence's gradient would depend "
+                         "on how the weights spread over its tokens. Fix: grpo.is_correction="
+                         "seq_mask (a weight per sequence) or none")
+    ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
+    if cfg.policy_loss == "sapo" and cfg.clip_high != defaults.clip_high:
+        ignored.append(f"clip_high={cfg.clip_high}")
+    if cfg.policy_loss in ("sapo", "cispo") and ignored:
+        uses = ("gates with grpo.sapo_tau_pos/sapo_tau_neg" if cfg.policy_loss == "sapo"
+                else "caps the ratio at 1 + grpo.clip_high, with no lower bound")
+        raise ValueError(f"grpo.policy_loss={cfg.policy_loss} {uses}: it ignores grpo."
+                         f"{' and grpo.'.join(ignored)}. Fix: leave them out, or pick "
+                         "policy_loss ppo or gspo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +213,7 @@ class Tokens:
     old: torch.Tensor | None = None  # the old policy's logprob; None: on-policy (this forward's)
     is_weight: torch.Tensor | None = None  # the mismatch weight; None: grpo_loss makes it
     ref: torch.Tensor | None = None  # the reference's logprob, for the KL term; None: no KL
+    seq_ratio: torch.Tensor | None = None  # gspo: its sequence's ratio to the old policy
 
     def __getitem__(self, k: slice) -> "Tokens":
         return Tokens(**{name: None if v is None else v[k] for name, v in vars(self).items()})
@@ -192,23 +226,36 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
     which the gradient flows through; t: the same tokens' inputs (Tokens, (c,) each). Returns the
     loss of these tokens, a sum of per-token terms each weighed by t.coef (so that chunks,
     micro-batches and ranks add up to the mean over the global mini-batch), and the count of
-    tokens the model wrote where the clip was active. Each term: PPO's clipped surrogate of the
-    ratio to the old policy (clip-higher, DAPO, when clip_high > clip_low) times the engine/
-    trainer mismatch weight, plus the KL term to the reference (in the loss, not the reward:
-    DeepSeekMath). On-policy the old logprob is logp itself, detached: ratio 1, and the gradient
-    is REINFORCE's. logprobs.run differentiates this function with respect to logp alone, inside
-    its pass over the vocabulary: it must be a sum of per-token terms (no term may mix tokens)."""
+    tokens the model wrote where the surrogate cut the gradient (clipped; sapo: damped below
+    half). Each term: the surrogate of the ratio to the old policy (grpo.policy_loss) times the
+    engine/trainer mismatch weight, plus the KL term to the reference (in the loss, not the
+    reward: DeepSeekMath). On-policy the old logprob is logp itself, detached: ratio 1, and every
+    surrogate's gradient is REINFORCE's. logprobs.run differentiates this function with respect
+    to logp alone, inside its pass over the vocabulary: it must be a sum of per-token terms (no
+    term may mix tokens; gspo's sequence ratio comes in t.seq_ratio, from a first pass)."""
     old = logp.detach() if t.old is None else t.old
     w = t.is_weight if t.is_weight is not None else mismatch_weights(
         old[None], t.engine[None], t.written[None], cfg.is_correction, cfg.is_cap)[0]
-    ratio = torch.exp(logp - old)
-    unclipped = ratio * t.adv
-    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * t.adv
-    per_token = -torch.minimum(unclipped, clipped) * w
+    # the token's ratio; gspo: its sequence's, with each token's share of its gradient (the
+    # paper's GSPO-token form: equal advantages within a sequence give GSPO's gradient)
+    ratio = (t.seq_ratio * torch.exp(logp - logp.detach()) if cfg.policy_loss == "gspo"
+             else torch.exp(logp - old))
+    if cfg.policy_loss == "cispo":  # sg(min(ratio, 1 + clip_high)) A log p: the paper's form
+        weight = ratio.detach().clamp(max=1 + cfg.clip_high)
+        surrogate, cut = weight * t.adv * logp, weight < ratio
+    elif cfg.policy_loss == "sapo":  # 4/tau sigmoid(tau (ratio - 1)): slope 1 at ratio 1
+        tau = torch.where(t.adv > 0, t.adv.new_full((), cfg.sapo_tau_pos),
+                          t.adv.new_full((), cfg.sapo_tau_neg))  # in adv's dtype
+        gate = torch.sigmoid(tau * (ratio - 1))
+        surrogate, cut = 4 / tau * gate * t.adv, 4 * gate * (1 - gate) < 0.5
+    else:  # ppo, gspo: the clipped surrogate; where the min takes the clipped term, no gradient
+        unclipped = ratio * t.adv
+        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * t.adv
+        surrogate, cut = torch.minimum(unclipped, clipped), unclipped > clipped
+    per_token = -surrogate * w
     if t.ref is not None and cfg.kl_coef > 0:
         per_token = per_token + cfg.kl_coef * kl_penalty(logp, t.ref, cfg.kl_estimator)
-    # the min took the clipped term: no gradient there
-    return (per_token * t.coef).sum(), ((unclipped > clipped) * t.written).sum()
+    return (per_token * t.coef).sum(), (cut * t.written).sum()
 
 
 def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
@@ -337,18 +384,36 @@ def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_to
     return t
 
 
+def sequence_ratio(logp, old, mask):
+    """(N, T) -> (N, 1) each sequence's ratio to the old policy as GSPO defines it: the
+    geometric mean of its tokens' ratios, exp(mean of logp - old over its mask), detached."""
+    log_ratio = ((logp - old) * mask).detach()
+    return (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
+
+
 def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
-    k (a slice of K); and first(logp), when the mismatch weights need whole sequences of this
-    forward's logp before any gradient (on-policy seq_mask), else None."""
+    k (a slice of K); and first(logp), when the loss needs whole sequences of this forward's
+    logp before any gradient, else None: the mismatch weights of on-policy seq_mask, and gspo's
+    sequence ratios off-policy (on-policy each is exactly 1: no pass)."""
     def loss_fn(logp, k):
         return grpo_loss(logp, t[k], cfg)
 
-    def first(logp):  # (K,)
-        t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine), mb.mask,
-                                               cfg.is_correction, cfg.is_cap))
+    on_policy_gspo = cfg.policy_loss == "gspo" and t.old is None
+    if on_policy_gspo:
+        t.seq_ratio = torch.ones_like(t.engine)
 
-    return loss_fn, first if t.old is None and cfg.is_correction == "seq_mask" else None
+    def first(logp):  # (K,)
+        if t.old is None and cfg.is_correction == "seq_mask":
+            t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine),
+                                                   mb.mask, cfg.is_correction, cfg.is_cap))
+        if cfg.policy_loss == "gspo" and not on_policy_gspo:
+            ratio = sequence_ratio(mb.padded(logp), mb.padded(t.old), mb.mask)
+            t.seq_ratio = mb.flat(ratio.expand_as(mb.mask))
+
+    needs = ((t.old is None and cfg.is_correction == "seq_mask")
+             or (cfg.policy_loss == "gspo" and not on_policy_gspo))
+    return loss_fn, first if needs else None
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,

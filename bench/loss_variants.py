@@ -28,6 +28,10 @@ VARIANTS = {
              "--grpo.overlong_penalty_factor=0.1"],
     "ppo_kl": ["--grpo.ppo_epochs=2", "--grpo.mini_batches=2", "--grpo.kl_coef=0.01",
                "--grpo.is_correction=seq_mask"],
+    "gspo": ["--grpo.policy_loss=gspo", "--grpo.loss_agg=seq_mean",
+             "--grpo.is_correction=seq_mask", "--grpo.clip_low=3e-4", "--grpo.clip_high=4e-4"],
+    "cispo": ["--grpo.policy_loss=cispo", "--grpo.clip_high=4.0"],
+    "sapo": ["--grpo.policy_loss=sapo"],
 }
 
 

@@ -28,28 +28,43 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 25
     return total
 
 
-def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None):
-    """Each token's term of GRPO's loss on (N, T) padded tensors, adv (N,): PPO's clipped
-    surrogate of exp(logp - old_logp), times the mismatch weight, plus kl_coef times the KL
-    estimate; and where the clip was active. Written apart from grpo.grpo_loss."""
+def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None):
+    """Each token's term of GRPO's loss on (N, T) padded tensors, adv (N,): the surrogate of
+    grpo.policy_loss (PPO's clipped surrogate of exp(logp - old_logp); GSPO's of each
+    sequence's geometric-mean ratio over `mask`, differentiated through that mean; CISPO's
+    detached capped ratio times logp; SAPO's gate), times the mismatch weight, plus kl_coef times
+    the KL estimate; and where the surrogate cut the gradient. Written apart from
+    grpo.grpo_loss, each from its paper's formula."""
     ratio = (logp - old_logp).exp()
     a = adv[:, None]
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a)
+    policy = getattr(cfg, "policy_loss", "ppo")
+    if policy == "gspo":  # s_i = exp(mean over the sequence of log ratios), one per row
+        ratio = (((logp - old_logp) * mask).sum(1, keepdim=True)
+                 / mask.sum(1, keepdim=True).clamp(min=1)).exp().expand_as(logp)
+    if policy == "cispo":
+        weight = ratio.detach().clamp(max=1 + cfg.clip_high)
+        surrogate, cut = weight * a * logp, ratio > 1 + cfg.clip_high
+    elif policy == "sapo":
+        tau = torch.where(a > 0, a.new_full((), cfg.sapo_tau_pos), a.new_full((), cfg.sapo_tau_neg))
+        gate = torch.sigmoid(tau * (ratio - 1))
+        surrogate, cut = 4 / tau * gate * a, 4 * gate * (1 - gate) < 0.5
+    else:
+        bounded = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        surrogate, cut = torch.minimum(ratio * a, bounded * a), ratio * a > bounded * a
     terms = -surrogate * is_weight
     if ref_logp is not None and cfg.kl_coef > 0:
         terms = terms + cfg.kl_coef * grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
-    clipped = ratio * a > ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a
-    return terms, clipped
+    return terms, cut
 
 
 def padded_loss(logp, old_logp, adv, mask, cfg, n_tokens: float, n_seqs: float, max_len: int,
                 is_weight, ref_logp=None):
     """GRPO's loss over a padded batch (N, T), normalised over a global mini-batch of n_tokens
     response tokens in n_seqs sequences (grpo.loss_weights), and the (N, T) bool tokens where
-    the clip was active, on the mask."""
-    terms, clipped = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp)
+    the surrogate cut the gradient, on the mask."""
+    terms, cut = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp, mask)
     weights = grpo.loss_weights(mask, cfg, n_tokens, n_seqs, max_len)
-    return (terms * weights).sum(), clipped & mask.bool()
+    return (terms * weights).sum(), cut & mask.bool()
 
 
 def pad_batch(samples: list, pad_id: int, per_token: dict | None = None):

@@ -83,13 +83,15 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
     the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
     samples are multi-turn episodes, and the unfused statement applies their masks by hand."""
-    agg, low, high, kl, est, mode, on_policy, temp = variant
+    agg, low, high, kl, est, mode, on_policy, temp = variant[:8]
+    policy = variant[8] if len(variant) > 8 else "ppo"  # POLICY_VARIANTS
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
     if turns:
         with_turns(samples)
     g = grpo.GRPOConfig(loss_agg=agg, clip_low=low, clip_high=high, kl_coef=kl, kl_estimator=est,
-                        is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5)
+                        is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5,
+                        policy_loss=policy)
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
@@ -119,7 +121,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
                                           pad(ref) if kl else None)
     loss.backward()
     terms = reference.padded_terms(lp.detach(), old_pad, adv.to(dtype), g, w,
-                                   pad(ref) if kl else None)[0]
+                                   pad(ref) if kl else None, hand.to(dtype))[0]
     scale = (terms * grpo.loss_weights(hand.to(dtype), g, float(hand.sum()), float(len(samples)),
                                        64)).abs().sum()  # the size of the loss's terms
     unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
@@ -161,6 +163,39 @@ def test_fused_equals_unfused(arch, turns, variant, world_of_one):
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the clip took part
     if mode != "none":
         assert (w != 1).any()  # so did the mismatch weights
+
+
+# grpo.policy_loss: (the fields above, then the surrogate). gspo off-policy takes the first pass
+# (its sequence ratios), on-policy none (each ratio is 1); multi-turn gspo averages each
+# sequence over the model's tokens only
+POLICY_VARIANTS = [
+    ("seq_mean", 3e-4, 4e-4, 0.0, "k3", "seq_mask", False, 1.0, "gspo"),
+    ("seq_mean", 0.2, 0.2, 0.05, "k1", "none", True, 0.7, "gspo"),
+    ("token_mean", 0.2, 0.5, 0.1, "k3", "tis", False, 1.0, "cispo"),
+    ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 0.7, "sapo"),
+]
+
+
+@pytest.mark.parametrize("arch, turns", [("qwen2", False), ("qwen3", False), ("qwen2", True)],
+                         ids=["qwen2", "qwen3", "qwen2-multi-turn"])
+@pytest.mark.parametrize("variant", POLICY_VARIANTS,
+                         ids=["-".join(map(str, v)) for v in POLICY_VARIANTS])
+def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_one):
+    """The same comparison for grpo.policy_loss's surrogates, with the same tolerances (their
+    inputs enter the fused path in fp32 as PPO's do): the fused pass computes what each paper's
+    formula, written apart in tests/reference.py and differentiated by autograd, computes."""
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        fused, unfused, _, scale = fused_and_unfused(arch, variant, dtype, turns)
+        assert abs(fused["loss"] - unfused["loss"]) < tol * scale
+        assert rel(torch.as_tensor(fused["logp"]).double(),
+                   torch.as_tensor(unfused["logp"]).double()) < tol
+        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
+        top = max(unfused[k].abs().max() for k in grads)
+        for name in grads:
+            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
+        assert fused["clipped"] == unfused["clipped"]
+    if variant[8] in ("gspo", "cispo") and not variant[6]:
+        assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[3:4],

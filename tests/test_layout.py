@@ -35,7 +35,7 @@ ALLOWED = {
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
-               "fsdp_utils"},
+               "fsdp_utils", "grpo"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "records", "partial", "evaluation", "sampler"},

@@ -1,0 +1,156 @@
+"""The surrogates of grpo.policy_loss (GSPO, CISPO, SAPO) against their papers' formulas written
+as plain fp64 loops over sequences and tokens, with the gradient each paper's objective has
+(derived by hand, below each formula), against hand-computed numbers, and the combinations
+grpo.validate refuses. PPO's surrogate has the same tests in test_grpo_math.py; the fused pass
+against the unfused statement, for each surrogate, is in test_fused_logprobs.py.
+
+Tolerance: the loop and grpo.grpo_loss compute the same fp64 expressions in another order
+(sums of at most 15 terms of size < 10): their difference is a few units of 2^-52 of that,
+far under 1e-12."""
+
+import math
+
+import pytest
+import torch
+
+import grpo
+from grpo import GRPOConfig
+from test_grpo_math import loss_case, tokens_of
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
+    """The loss and its gradient (nested lists like logp), and where the surrogate cut the
+    gradient, one sequence at a time.
+
+    GSPO (arXiv 2507.18071, eq. 5-7): s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), the sequence's
+    term min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), averaged over sequences. d s_i /
+    d logp_t = s_i / |y_i| for each of its tokens; the min's clipped branch has no gradient.
+    CISPO (arXiv 2506.13585, eq. 4): each token's sg(r_hat) A log pi, r_hat = min(r, 1 + eps_h),
+    summed over tokens (here: under loss_agg's weights); gradient r_hat A, never cut.
+    SAPO (arXiv 2511.20347): each token's f(r) A, f(r) = 4 / tau sigmoid(tau (r - 1)), tau the
+    positive or negative advantage's; gradient 4 sigmoid (1 - sigmoid) r A.
+    All terms are negated (a loss) and times the token's mismatch weight."""
+    loss, grad, cut = 0.0, [], []
+    for i in range(len(logp)):
+        toks = [t for t in range(len(logp[i])) if mask[i][t]]
+        n = len(toks)
+        row_grad, row_cut = [0.0] * len(logp[i]), [False] * len(logp[i])
+        if policy == "gspo":
+            s = math.exp(sum(logp[i][t] - old[i][t] for t in toks) / n)
+            bounded = min(max(s, 1 - g.clip_low), 1 + g.clip_high)
+            w = weight[i][toks[0]]  # a sequence's weight (gspo takes seq_mask or none)
+            loss += -min(s * adv[i], bounded * adv[i]) * w / n_seqs
+            for t in toks:
+                row_cut[t] = s * adv[i] > bounded * adv[i]
+                row_grad[t] = 0.0 if row_cut[t] else -adv[i] * s / n * w / n_seqs
+        for t in toks:
+            if policy == "gspo":
+                continue
+            coef = {"token_mean": 1 / n_tokens, "seq_mean": 1 / (n * n_seqs),
+                    "constant": 1 / (n_seqs * max_len)}[g.loss_agg]
+            r = math.exp(logp[i][t] - old[i][t])
+            if policy == "cispo":
+                r_hat = min(r, 1 + g.clip_high)
+                loss += -r_hat * adv[i] * logp[i][t] * weight[i][t] * coef
+                row_grad[t], row_cut[t] = -r_hat * adv[i] * weight[i][t] * coef, r > r_hat
+            else:  # sapo
+                tau = g.sapo_tau_pos if adv[i] > 0 else g.sapo_tau_neg
+                gate = sigmoid(tau * (r - 1))
+                loss += -4 / tau * gate * adv[i] * weight[i][t] * coef
+                row_grad[t] = -4 * gate * (1 - gate) * r * adv[i] * weight[i][t] * coef
+                row_cut[t] = 4 * gate * (1 - gate) < 0.5
+        grad.append(row_grad)
+        cut.append(row_cut)
+    return loss, grad, cut
+
+
+def ours(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
+    """grpo.grpo_loss on the flattened case, gspo's sequence ratios from grpo.sequence_ratio as
+    its first pass makes them: the loss, the gradient, the cut tokens."""
+    t = tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=weight)
+    if policy == "gspo":
+        t.seq_ratio = grpo.sequence_ratio(logp, old, mask).expand_as(mask).reshape(-1)
+    loss, _ = grpo.grpo_loss(logp.reshape(-1), t, g)
+    loss.backward()
+    cut = torch.stack([grpo.grpo_loss(logp.reshape(-1)[k:k + 1].detach(), t[k:k + 1], g)[1]
+                       for k in range(mask.numel())]).view(mask.shape)
+    return loss.item(), logp.grad, cut.bool()
+
+
+CASES = [("gspo", "seq_mean", 3e-4, 4e-4), ("gspo", "seq_mean", 0.2, 0.2),
+         ("cispo", "token_mean", 0.2, 0.5), ("cispo", "seq_mean", 0.2, 0.2),
+         ("cispo", "constant", 0.2, 4.0), ("sapo", "token_mean", 0.2, 0.2),
+         ("sapo", "seq_mean", 0.2, 0.2)]
+
+
+@pytest.mark.parametrize("policy, agg, low, high", CASES)
+def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
+    logp, old, _, weight, adv, mask = loss_case()
+    if policy == "gspo":  # one weight per sequence (seq_mask's kind)
+        weight = weight[:, :1].expand_as(weight).clone()
+    g = GRPOConfig(policy_loss=policy, loss_agg=agg, clip_low=low, clip_high=high,
+                   is_correction="seq_mask" if policy == "gspo" else "tis")
+    grpo.validate(g)
+    args = (g, 10.0, 3.0, 6)  # n_tokens, n_seqs, max_len of the "global batch"
+    lists = [x.tolist() for x in (logp, old, adv, mask, weight)]
+    want, want_grad, want_cut = naive(policy, *lists[:4], *args, lists[4])
+    got, got_grad, got_cut = ours(policy, logp, old, adv, mask, *args, weight)
+    assert abs(got - want) < 1e-12
+    assert (got_grad - torch.tensor(want_grad, dtype=torch.float64)).abs().max() < 1e-12
+    assert got_cut.tolist() == [[c and bool(m) for c, m in zip(cr, mr)]
+                                for cr, mr in zip(want_cut, mask.tolist())]
+
+
+@pytest.mark.parametrize("policy", ["gspo", "cispo", "sapo"])
+def test_on_policy_every_surrogate_is_reinforce(policy):
+    """Ratio 1 (old = logp): GSPO's s = 1, CISPO's weight 1, SAPO's gate slope 1: the gradient is
+    -A times the aggregation's weight of the token, as for PPO."""
+    logp = torch.randn(2, 4, dtype=torch.float64).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    g = GRPOConfig(policy_loss=policy, loss_agg="seq_mean", is_correction="none")
+    ours(policy, logp, logp.detach(), adv, mask, g, 8.0, 4.0, 5, torch.ones_like(mask))
+    for i, length in enumerate([3, 1]):
+        expect = [-adv[i].item() / (4 * length)] * length + [0.0] * (4 - length)
+        assert torch.allclose(logp.grad[i], torch.tensor(expect, dtype=torch.float64))
+
+
+def test_hand_computed_values():
+    """One sequence of two tokens, A = 2, token mean over 2 tokens (seq mean for GSPO)."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -2.0]], dtype=torch.float64)  # ratios e^0.5 = 1.6487, 1
+    adv, mask, one = torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2), torch.ones(1, 2)
+    mask = mask.double()
+
+    def value(policy, **kw):
+        g = GRPOConfig(policy_loss=policy, is_correction="none", **kw)
+        return ours(policy, logp.clone().requires_grad_(), old, adv, mask, g, 2.0, 1.0, 2,
+                    one.double())[0]
+
+    # CISPO, cap 1.2: -(1.2 * 2 * -1 + 1 * 2 * -2) / 2 = 3.2
+    assert abs(value("cispo") - 3.2) < 1e-12
+    # GSPO: s = e^0.25 = 1.2840 > 1.2 with A > 0: the clipped 1.2 * 2, negated: -2.4
+    assert abs(value("gspo", loss_agg="seq_mean") - -2.4) < 1e-12
+    # SAPO, tau 1 (A > 0): -(4 sigmoid(0.6487) * 2 + 4 sigmoid(0) * 2) / 2
+    want = -(4 * sigmoid(math.exp(0.5) - 1) + 4 * 0.5)
+    assert abs(value("sapo") - want) < 1e-12
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"policy_loss": "gspo"}, "grpo.loss_agg=seq_mean"),
+    ({"policy_loss": "gspo", "loss_agg": "seq_mean"}, "grpo.is_correction=seq_mask"),
+    ({"policy_loss": "sapo", "clip_high": 0.28}, "ignores grpo.clip_high=0.28"),
+    ({"policy_loss": "sapo", "clip_low": 0.1, "clip_high": 0.3},
+     "ignores grpo.clip_low=0.1 and grpo.clip_high=0.3"),
+    ({"policy_loss": "cispo", "clip_low": 0.1}, "ignores grpo.clip_low=0.1")])
+def test_combinations_the_papers_rule_out_are_refused(overrides, says):
+    with pytest.raises(ValueError, match=says.replace(".", r"\.")):
+        grpo.validate(GRPOConfig(**overrides))
+    for fine in ({"policy_loss": "gspo", "loss_agg": "seq_mean", "is_correction": "seq_mask",
+                  "clip_low": 3e-4, "clip_high": 4e-4}, {"policy_loss": "cispo", "clip_high": 4.0},
+                 {"policy_loss": "sapo", "sapo_tau_neg": 2.0}):
+        grpo.validate(GRPOConfig(**fine))
