@@ -399,21 +399,20 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     def loss_fn(logp, k):
         return grpo_loss(logp, t[k], cfg)
 
-    on_policy_gspo = cfg.policy_loss == "gspo" and t.old is None
-    if on_policy_gspo:
+    weights_first = t.old is None and cfg.is_correction == "seq_mask"
+    ratios_first = cfg.policy_loss == "gspo" and t.old is not None
+    if cfg.policy_loss == "gspo" and t.old is None:
         t.seq_ratio = torch.ones_like(t.engine)
 
     def first(logp):  # (K,)
-        if t.old is None and cfg.is_correction == "seq_mask":
+        if weights_first:
             t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine),
                                                    mb.mask, cfg.is_correction, cfg.is_cap))
-        if cfg.policy_loss == "gspo" and not on_policy_gspo:
+        if ratios_first:
             ratio = sequence_ratio(mb.padded(logp), mb.padded(t.old), mb.mask)
             t.seq_ratio = mb.flat(ratio.expand_as(mb.mask))
 
-    needs = ((t.old is None and cfg.is_correction == "seq_mask")
-             or (cfg.policy_loss == "gspo" and not on_policy_gspo))
-    return loss_fn, first if needs else None
+    return loss_fn, first if weights_first or ratios_first else None
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,

@@ -17,12 +17,15 @@ import torch
 import npu_ops
 
 
-def rms_norm_reference(module, hidden_states):
+def rms_norm(x, weight, eps: float):
     """Qwen2/Qwen3 RMSNorm as transformers computes it: normalise in fp32, scale in input dtype."""
-    dtype = hidden_states.dtype
-    x = hidden_states.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * x.to(dtype)
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rms_norm_reference(module, hidden_states):
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def rotate_half(x):
@@ -40,12 +43,6 @@ def swiglu_mlp_reference(module, x):
     return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
 
 
-def _rms_norm(x, weight, eps: float):
-    dtype = x.dtype
-    x = x.float()
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-
-
 def _silu_mul(gate, up):
     return torch.nn.functional.silu(gate) * up
 
@@ -58,7 +55,7 @@ def compiled(name: str):
     the module would be guarded on (and recompiled for) each module. dynamic=True: a packed row's
     token count changes from micro-batch to micro-batch and must not recompile it."""
     if name not in COMPILED:
-        fn = {"rms_norm": _rms_norm, "silu_mul": _silu_mul, "rotary": rotary_reference}[name]
+        fn = {"rms_norm": rms_norm, "silu_mul": _silu_mul, "rotary": rotary_reference}[name]
         COMPILED[name] = torch.compile(fn, dynamic=True)
     return COMPILED[name]
 
