@@ -73,6 +73,9 @@ class GRPOConfig:
     kl_coef: Annotated[float, Range(0)] = 0.0
     # Schulman's estimators; k3 as in DeepSeekMath
     kl_estimator: Annotated[str, OneOf("k1", "k2", "k3")] = "k3"
+    # the KL term times the ratio to the old policy, so that off-policy tokens estimate the
+    #   current policy's KL without bias (DeepSeek-V3.2, arXiv 2512.02556)
+    kl_unbiased: Annotated[bool, FLAG] = False
     # engine/trainer mismatch correction
     is_correction: Annotated[str, OneOf("none", "tis", "seq_mask")] = "tis"
     # C: TIS weight cap; seq_mask keeps sequence ratios in [1/C, C]
@@ -254,7 +257,9 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
         surrogate, cut = torch.minimum(unclipped, clipped), unclipped > clipped
     per_token = -surrogate * w
     if t.ref is not None and cfg.kl_coef > 0:
-        per_token = per_token + cfg.kl_coef * kl_penalty(logp, t.ref, cfg.kl_estimator)
+        kl = kl_penalty(logp, t.ref, cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * (kl * torch.exp(logp - old) if cfg.kl_unbiased
+                                               else kl)
     return (per_token * t.coef).sum(), (cut * t.written).sum()
 
 

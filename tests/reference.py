@@ -52,8 +52,10 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None):
         bounded = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         surrogate, cut = torch.minimum(ratio * a, bounded * a), ratio * a > bounded * a
     terms = -surrogate * is_weight
-    if ref_logp is not None and cfg.kl_coef > 0:
-        terms = terms + cfg.kl_coef * grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
+    if ref_logp is not None and cfg.kl_coef > 0:  # unbiased: times pi / pi_old (DeepSeek-V3.2)
+        kl = grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
+        terms = terms + cfg.kl_coef * kl * ((logp - old_logp).exp()
+                                            if getattr(cfg, "kl_unbiased", False) else 1)
     return terms, cut
 
 

@@ -85,13 +85,14 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     samples are multi-turn episodes, and the unfused statement applies their masks by hand."""
     agg, low, high, kl, est, mode, on_policy, temp = variant[:8]
     policy = variant[8] if len(variant) > 8 else "ppo"  # POLICY_VARIANTS
+    unbiased = len(variant) > 9 and variant[9]  # and the KL term's ratio
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
     if turns:
         with_turns(samples)
     g = grpo.GRPOConfig(loss_agg=agg, clip_low=low, clip_high=high, kl_coef=kl, kl_estimator=est,
                         is_correction=mode, is_cap=1.5, micro_batch_tokens=64, logprob_chunk=5,
-                        policy_loss=policy)
+                        policy_loss=policy, kl_unbiased=unbiased)
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
@@ -173,6 +174,7 @@ POLICY_VARIANTS = [
     ("seq_mean", 0.2, 0.2, 0.05, "k1", "none", True, 0.7, "gspo"),
     ("token_mean", 0.2, 0.5, 0.1, "k3", "tis", False, 1.0, "cispo"),
     ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 0.7, "sapo"),
+    ("token_mean", 0.2, 0.28, 0.1, "k3", "tis", False, 1.0, "ppo", True),  # grpo.kl_unbiased
 ]
 
 
@@ -194,7 +196,7 @@ def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_
         for name in grads:
             assert (fused[name] - unfused[name]).abs().max() < tol * top, name
         assert fused["clipped"] == unfused["clipped"]
-    if variant[8] in ("gspo", "cispo") and not variant[6]:
+    if variant[8] in ("gspo", "cispo", "ppo") and not variant[6]:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
 
 
