@@ -44,6 +44,8 @@ from domains import FLAG, OneOf, Range
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+IS_MODES = ("none", "tis", "token_mask", "seq_truncate", "seq_mask", "seq_geo_mask")
+SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequences
 
 
 @dataclass
@@ -76,10 +78,15 @@ class GRPOConfig:
     # the KL term times the ratio to the old policy, so that off-policy tokens estimate the
     #   current policy's KL without bias (DeepSeek-V3.2, arXiv 2512.02556)
     kl_unbiased: Annotated[bool, FLAG] = False
-    # engine/trainer mismatch correction
-    is_correction: Annotated[str, OneOf("none", "tis", "seq_mask")] = "tis"
-    # C: TIS weight cap; seq_mask keeps sequence ratios in [1/C, C]
+    # engine/trainer mismatch correction (mismatch_weights): per token tis (truncate) or
+    #   token_mask; per sequence seq_truncate, seq_mask (its ratio), seq_geo_mask (the
+    #   geometric mean of its tokens' ratios)
+    is_correction: Annotated[str, OneOf(*IS_MODES)] = "tis"
+    # C: the upper bound of the weight or the band; the masks keep ratios in [C_low, C]
     is_cap: Annotated[float, Range(1, lo_open=True)] = 2.0
+    # C_low: the lower bound (truncate: the weight's floor); 0: none for tis, token_mask and
+    #   seq_truncate, 1/C for seq_mask and seq_geo_mask
+    is_cap_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
     dynamic_sampling: Annotated[bool, FLAG] = False  # drop groups whose rewards are all equal
     # with dynamic sampling: rounds of fresh prompts to refill the batch
     max_gen_rounds: Annotated[int, Range(1)] = 1
@@ -104,11 +111,11 @@ def validate(cfg: GRPOConfig) -> None:
         raise ValueError(f"grpo.policy_loss=gspo with grpo.loss_agg={cfg.loss_agg}: GSPO's "
                          "objective is a mean over sequences of each sequence's term, which "
                          "seq_mean alone gives. Fix: grpo.loss_agg=seq_mean")
-    if cfg.policy_loss == "gspo" and cfg.is_correction == "tis":
-        raise ValueError("grpo.policy_loss=gspo with grpo.is_correction=tis: GSPO weighs whole "
-                         "sequences, TIS single tokens, and a sequence's gradient would depend "
-                         "on how the weights spread over its tokens. Fix: grpo.is_correction="
-                         "seq_mask (a weight per sequence) or none")
+    if cfg.policy_loss == "gspo" and cfg.is_correction in ("tis", "token_mask"):
+        raise ValueError(f"grpo.policy_loss=gspo with grpo.is_correction={cfg.is_correction}: "
+                         "GSPO weighs whole sequences, that mode single tokens, and a sequence's "
+                         "gradient would depend on how the weights spread over its tokens. Fix: "
+                         "grpo.is_correction=seq_mask (or another seq_ mode, or none)")
     ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
     if cfg.policy_loss == "sapo" and cfg.clip_high != defaults.clip_high:
         ignored.append(f"clip_high={cfg.clip_high}")
@@ -176,22 +183,37 @@ def kl_penalty(logp, ref_logp, estimator: str):
     return torch.expm1(log_r) - log_r  # k3
 
 
-def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float):
+def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float,
+                     cap_low: float = 0.0):
     """(N, T) importance weights that correct for the engine sampling from a slightly different
-    distribution than the trainer computes (kernels, precision). ratio = p_trainer / p_engine.
+    distribution than the trainer computes (kernels, precision). ratio = p_trainer / p_engine;
+    [lo, C] = [cap_low, cap] (for seq_mask and seq_geo_mask, cap_low 0 means 1/C).
     - none: 1;
-    - tis: min(ratio, C) per token: truncated importance sampling (Yao et al. 2025, "Your
-      Efficient RL Framework Secretly Brings You Off-Policy RL Training");
-    - seq_mask: 1 for a sequence whose ratio (product over its tokens) lies in [1/C, C], else 0:
-      masked importance sampling (Liu et al. 2025, "When Speed Kills Stability").
+    - tis: the token's ratio clamped to [lo, C]: truncated importance sampling (Yao et al. 2025,
+      "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
+    - token_mask: 1 for a token whose ratio lies in [lo, C], else 0 (IcePop's two-sided mask);
+    - seq_truncate: the sequence's ratio (product over its tokens) clamped to [lo, C], for each
+      of its tokens;
+    - seq_mask: 1 for a sequence whose ratio lies in [lo, C], else 0: masked importance sampling
+      (Liu et al. 2025, "When Speed Kills Stability");
+    - seq_geo_mask: the same with the geometric mean of its tokens' ratios (verl's geometric
+      rejection), which does not shrink with the sequence's length.
     Detached: the weights scale the gradient, they do not get one."""
     log_ratio = ((old_logp - engine_logp) * mask).detach()
     if mode == "none":
         return torch.ones_like(log_ratio)
-    if mode == "tis":
-        return log_ratio.exp().clamp(max=cap)
-    inside = log_ratio.sum(1).abs() <= math.log(cap)  # seq_mask
-    return inside.to(log_ratio.dtype).unsqueeze(1).expand_as(log_ratio)
+    lo = cap_low if cap_low > 0 or mode not in ("seq_mask", "seq_geo_mask") else 1 / cap
+    if mode in ("tis", "token_mask"):
+        ratio = log_ratio.exp()
+        inside = (ratio >= lo) & (ratio <= cap)
+        return ratio.clamp(lo, cap) if mode == "tis" else inside.to(ratio.dtype)
+    seq = log_ratio.sum(1)
+    if mode == "seq_geo_mask":
+        seq = seq / mask.sum(1).clamp(min=1)
+    ratio = seq.exp()
+    weight = (ratio.clamp(lo, cap) if mode == "seq_truncate"
+              else ((ratio >= lo) & (ratio <= cap)).to(ratio.dtype))
+    return weight.unsqueeze(1).expand_as(log_ratio)
 
 
 def loss_weights(mask, cfg: GRPOConfig, n_tokens: float, n_seqs: float, max_len: int):
@@ -238,7 +260,8 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
     term may mix tokens; gspo's sequence ratio comes in t.seq_ratio, from a first pass)."""
     old = logp.detach() if t.old is None else t.old
     w = t.is_weight if t.is_weight is not None else mismatch_weights(
-        old[None], t.engine[None], t.written[None], cfg.is_correction, cfg.is_cap)[0]
+        old[None], t.engine[None], t.written[None], cfg.is_correction, cfg.is_cap,
+        cfg.is_cap_low)[0]
     # the token's ratio; gspo: its sequence's, with each token's share of its gradient (the
     # paper's GSPO-token form: equal advantages within a sequence give GSPO's gradient)
     ratio = (t.seq_ratio * torch.exp(logp - logp.detach()) if cfg.policy_loss == "gspo"
@@ -383,7 +406,7 @@ def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_to
     if old_logp is not None:
         t.old = cat(old_logp)
         t.is_weight = mb.flat(mismatch_weights(mb.padded(t.old), mb.padded(t.engine), mb.mask,
-                                               cfg.is_correction, cfg.is_cap))
+                                               cfg.is_correction, cfg.is_cap, cfg.is_cap_low))
     if ref_logp is not None:
         t.ref = cat(ref_logp)
     return t
@@ -404,7 +427,7 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     def loss_fn(logp, k):
         return grpo_loss(logp, t[k], cfg)
 
-    weights_first = t.old is None and cfg.is_correction == "seq_mask"
+    weights_first = t.old is None and cfg.is_correction in SEQ_IS_MODES
     ratios_first = cfg.policy_loss == "gspo" and t.old is not None
     if cfg.policy_loss == "gspo" and t.old is None:
         t.seq_ratio = torch.ones_like(t.engine)
@@ -412,7 +435,8 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     def first(logp):  # (K,)
         if weights_first:
             t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine),
-                                                   mb.mask, cfg.is_correction, cfg.is_cap))
+                                                   mb.mask, cfg.is_correction, cfg.is_cap,
+                                                   cfg.is_cap_low))
         if ratios_first:
             ratio = sequence_ratio(mb.padded(logp), mb.padded(t.old), mb.mask)
             t.seq_ratio = mb.flat(ratio.expand_as(mb.mask))

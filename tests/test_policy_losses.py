@@ -143,6 +143,8 @@ def test_hand_computed_values():
 @pytest.mark.parametrize("overrides, says", [
     ({"policy_loss": "gspo"}, "grpo.loss_agg=seq_mean"),
     ({"policy_loss": "gspo", "loss_agg": "seq_mean"}, "grpo.is_correction=seq_mask"),
+    ({"policy_loss": "gspo", "loss_agg": "seq_mean", "is_correction": "token_mask"},
+     "with grpo.is_correction=token_mask"),
     ({"policy_loss": "sapo", "clip_high": 0.28}, "ignores grpo.clip_high=0.28"),
     ({"policy_loss": "sapo", "clip_low": 0.1, "clip_high": 0.3},
      "ignores grpo.clip_low=0.1 and grpo.clip_high=0.3"),
@@ -189,3 +191,38 @@ def test_unbiased_kl_against_its_loop(estimator):
             up[i][t] += 1e-6
             down[i][t] -= 1e-6
             assert abs(logp.grad[i, t].item() - (loop(up) - loop(down)) / 2e-6) < 1e-8, (i, t)
+
+
+@pytest.mark.parametrize("cap_low", [0.0, 0.8])
+def test_every_importance_sampling_mode_against_its_loop(cap_low):
+    """grpo.mismatch_weights for each grpo.is_correction mode, against a loop over sequences and
+    tokens: ratio = exp(old - engine) per token, a sequence's the product (seq_geo_mask: the
+    geometric mean); truncate clamps to [lo, C], masks keep [lo, C]; lo = cap_low, or where it is
+    0: nothing for the token modes and seq_truncate, 1/C for seq_mask and seq_geo_mask."""
+    g = torch.Generator().manual_seed(4)
+    engine = torch.randn(6, 6, generator=g, dtype=torch.float64) - 1
+    old = engine + torch.randn(6, 6, generator=g, dtype=torch.float64) * 0.4
+    mask = (torch.rand(6, 6, generator=g) < 0.7).double()
+    mask[:, 0] = 1  # every sequence has a token
+    old[4] -= 0.6  # two sequences drift as a whole: their geometric means leave the band too
+    old[5] += 0.6
+    cap = 1.5
+    for mode in grpo.IS_MODES[1:]:
+        got = grpo.mismatch_weights(old, engine, mask, mode, cap, cap_low)
+        lo = cap_low or (1 / cap if mode in ("seq_mask", "seq_geo_mask") else 0.0)
+        kinds = set()
+        for i in range(6):
+            toks = [t for t in range(6) if mask[i, t]]
+            ratios = [math.exp(old[i, t] - engine[i, t]) for t in toks]
+            seq = math.prod(ratios)
+            if mode == "seq_geo_mask":
+                seq = seq ** (1 / len(toks))
+            for t, r in zip(toks, ratios):
+                want = {"tis": min(max(r, lo), cap), "token_mask": float(lo <= r <= cap),
+                        "seq_truncate": min(max(seq, lo), cap),
+                        "seq_mask": float(lo <= seq <= cap),
+                        "seq_geo_mask": float(lo <= seq <= cap)}[mode]
+                assert abs(got[i, t].item() - want) < 1e-12, (mode, i, t)
+                kinds.add(want if mode.endswith("mask")
+                          else (want == cap, want == lo, lo < want < cap))
+        assert len(kinds) > 1, (mode, kinds)  # the case reaches both sides of the band
