@@ -87,6 +87,10 @@ class GRPOConfig:
     # C_low: the lower bound (truncate: the weight's floor); 0: none for tis, token_mask and
     #   seq_truncate, 1/C for seq_mask and seq_geo_mask
     is_cap_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    # DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9): a response with a
+    #   negative advantage whose mean log(p_engine / p_trainer) over its tokens exceeds this
+    #   gets no policy loss (its KL term stays); 0: off
+    off_policy_delta: Annotated[float, Range(0)] = 0.0
     dynamic_sampling: Annotated[bool, FLAG] = False  # drop groups whose rewards are all equal
     # with dynamic sampling: rounds of fresh prompts to refill the batch
     max_gen_rounds: Annotated[int, Range(1)] = 1
@@ -239,6 +243,7 @@ class Tokens:
     is_weight: torch.Tensor | None = None  # the mismatch weight; None: grpo_loss makes it
     ref: torch.Tensor | None = None  # the reference's logprob, for the KL term; None: no KL
     seq_ratio: torch.Tensor | None = None  # gspo: its sequence's ratio to the old policy
+    seq_keep: torch.Tensor | None = None  # off_policy_delta: 0 where its response is masked
 
     def __getitem__(self, k: slice) -> "Tokens":
         return Tokens(**{name: None if v is None else v[k] for name, v in vars(self).items()})
@@ -278,12 +283,26 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
         unclipped = ratio * t.adv
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * t.adv
         surrogate, cut = torch.minimum(unclipped, clipped), unclipped > clipped
-    per_token = -surrogate * w
+    per_token = -surrogate * w * (1 if t.seq_keep is None else t.seq_keep)
     if t.ref is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, t.ref, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * (kl * torch.exp(logp - old) if cfg.kl_unbiased
                                                else kl)
     return (per_token * t.coef).sum(), (cut * t.written).sum()
+
+
+def off_policy_stats(old_logp: list, engine_logp: list, adv: torch.Tensor,
+                     delta: float) -> dict:
+    """With grpo.off_policy_delta: off_policy_masked_frac, the share of responses the mask
+    dropped, judged on the logprobs before the first optimizer step (per-sample (n_i,) tensors
+    of the model's tokens); nothing when it is off."""
+    if delta <= 0:
+        return {}
+    dropped = 0
+    for o, e, a in zip(old_logp, engine_logp, adv.tolist()):
+        kl = float((e.double() - o.double()).mean()) if len(o) else 0.0
+        dropped += a < 0 and kl > delta
+    return {"off_policy_masked_frac": tracking.Mean(dropped, len(old_logp))}
 
 
 def mismatch_stats(old_logp: list, engine_logp: list, cap: float) -> dict:
@@ -419,6 +438,15 @@ def sequence_ratio(logp, old, mask):
     return (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
 
 
+def off_policy_keep(logp, engine_logp, mask, adv, delta: float):
+    """(N, T) -> (N, 1) DeepSeek-V3.2's off-policy sequence mask: 0 for a sequence whose
+    advantage adv (N, 1) is negative and whose mean of engine_logp - logp over its mask (a KL
+    estimate between the sampling and the current policy) exceeds delta, else 1. Detached."""
+    kl = (((engine_logp - logp) * mask).sum(1, keepdim=True)
+          / mask.sum(1, keepdim=True).clamp(min=1)).detach()
+    return ((adv >= 0) | (kl <= delta)).to(kl.dtype)
+
+
 def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
     k (a slice of K); and first(logp), when the loss needs whole sequences of this forward's
@@ -429,6 +457,7 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
 
     weights_first = t.old is None and cfg.is_correction in SEQ_IS_MODES
     ratios_first = cfg.policy_loss == "gspo" and t.old is not None
+    keep_first = cfg.off_policy_delta > 0  # the current policy's whole sequences, always
     if cfg.policy_loss == "gspo" and t.old is None:
         t.seq_ratio = torch.ones_like(t.engine)
 
@@ -440,8 +469,12 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
         if ratios_first:
             ratio = sequence_ratio(mb.padded(logp), mb.padded(t.old), mb.mask)
             t.seq_ratio = mb.flat(ratio.expand_as(mb.mask))
+        if keep_first:  # a row's tokens carry one advantage: their sum has its sign
+            keep = off_policy_keep(mb.padded(logp), mb.padded(t.engine), mb.mask,
+                                   mb.padded(t.adv).sum(1, keepdim=True), cfg.off_policy_delta)
+            t.seq_keep = mb.flat(keep.expand_as(mb.mask))
 
-    return loss_fn, first if weights_first or ratios_first else None
+    return loss_fn, first if weights_first or ratios_first or keep_first else None
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
@@ -501,10 +534,8 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
     the engine's sampling temperature and max_new_tokens. Returns the update's metrics
     (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with a reference, the
-    mean grad norm, logprobs_time_s, the seconds of the old-policy and reference passes
-    before the first optimizer step, trained_tokens, the prompt and response tokens the
-    update's forwards and backwards took (all passes), and trained_rows, the output layer's rows
-    among them (the response tokens)."""
+    mean grad norm, logprobs_time_s (the old-policy and reference passes), trained_tokens and
+    trained_rows (the tokens the passes took, and the output layer's rows among them)."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     t = time.perf_counter()
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
@@ -545,9 +576,11 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
     rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples)
     clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
+    engine = written(samples, [s.logp for s in samples])
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),
-           **mismatch_stats(old_logp, written(samples, [s.logp for s in samples]), cfg.is_cap)}
+           **mismatch_stats(old_logp, engine, cfg.is_cap),
+           **off_policy_stats(old_logp, engine, adv, cfg.off_policy_delta)}
     if ref_logp is not None:
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()
                                       for o, r in zip(old_logp, written(samples, ref_logp))),

@@ -28,7 +28,7 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 25
     return total
 
 
-def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None):
+def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, engine=None):
     """Each token's term of GRPO's loss on (N, T) padded tensors, adv (N,): the surrogate of
     grpo.policy_loss (PPO's clipped surrogate of exp(logp - old_logp); GSPO's of each
     sequence's geometric-mean ratio over `mask`, differentiated through that mean; CISPO's
@@ -52,6 +52,11 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None):
         bounded = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         surrogate, cut = torch.minimum(ratio * a, bounded * a), ratio * a > bounded * a
     terms = -surrogate * is_weight
+    if getattr(cfg, "off_policy_delta", 0) > 0:  # DeepSeek-V3.2: drop a negative-advantage
+        #   response whose mean log(p_engine / p_current) exceeds delta, for each of its tokens
+        n = mask.sum(1, keepdim=True).clamp(min=1)
+        kl = ((engine - logp.detach()) * mask).sum(1, keepdim=True) / n
+        terms = terms * ~((a < 0) & (kl > cfg.off_policy_delta))
     if ref_logp is not None and cfg.kl_coef > 0:  # unbiased: times pi / pi_old (DeepSeek-V3.2)
         kl = grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
         terms = terms + cfg.kl_coef * kl * ((logp - old_logp).exp()
@@ -60,11 +65,11 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None):
 
 
 def padded_loss(logp, old_logp, adv, mask, cfg, n_tokens: float, n_seqs: float, max_len: int,
-                is_weight, ref_logp=None):
+                is_weight, ref_logp=None, engine=None):
     """GRPO's loss over a padded batch (N, T), normalised over a global mini-batch of n_tokens
     response tokens in n_seqs sequences (grpo.loss_weights), and the (N, T) bool tokens where
     the surrogate cut the gradient, on the mask."""
-    terms, cut = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp, mask)
+    terms, cut = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp, mask, engine)
     weights = grpo.loss_weights(mask, cfg, n_tokens, n_seqs, max_len)
     return (terms * weights).sum(), cut & mask.bool()
 

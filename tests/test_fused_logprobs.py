@@ -89,6 +89,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     agg, low, high, kl, est, mode, on_policy, temp = variant[:8]
     policy = variant[8] if len(variant) > 8 else "ppo"  # POLICY_VARIANTS
     unbiased = len(variant) > 9 and variant[9]  # and the KL term's ratio
+    delta = variant[10] if len(variant) > 10 else 0.0  # and the off-policy mask
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
     if turns:
@@ -98,7 +99,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
                         # a geometric mean moves less than a product: a tighter band for it,
                         # so that some sequences leave it
                         is_cap=1.1 if mode == "seq_geo_mask" else 1.5,
-                        policy_loss=policy, kl_unbiased=unbiased)
+                        policy_loss=policy, kl_unbiased=unbiased, off_policy_delta=delta)
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
@@ -110,7 +111,10 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
                                                                     generator=gen))
                 for i in range(len(samples))]
 
+    drift = 0.1 if len(variant) > 10 else 0.0  # the off-policy mask's cases: the engine's
+    #   logprobs 0.1 above the trainer's on average, so that negative-advantage rows exceed delta
     for s, e in zip(samples, near(0.3)):  # the engine sampled from nearly the same policy
+        e += drift
         s.logp = [x if w else 0.0 for x, w in zip(e.tolist(), s.mask or [1] * len(e))]  # 0: not sampled
     hand = by_hand(mask, samples)  # the response tokens the model wrote
     old, ref = (None if on_policy else near(0.3)), (near(0.5) if kl else None)
@@ -123,12 +127,13 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
         samples, 0, {"x": lists})[4]["x"].to(dtype)
     old_pad = lp.detach() if on_policy else pad(old)
     w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), hand, mode, g.is_cap)
+    engine = pad([s.logp for s in samples])
     loss, clipped = reference.padded_loss(lp, old_pad, adv.to(dtype), hand.to(dtype), g,
                                           float(hand.sum()), float(len(samples)), 64, w,
-                                          pad(ref) if kl else None)
+                                          pad(ref) if kl else None, engine)
     loss.backward()
     terms = reference.padded_terms(lp.detach(), old_pad, adv.to(dtype), g, w,
-                                   pad(ref) if kl else None, hand.to(dtype))[0]
+                                   pad(ref) if kl else None, hand.to(dtype), engine)[0]
     scale = (terms * grpo.loss_weights(hand.to(dtype), g, float(hand.sum()), float(len(samples)),
                                        64)).abs().sum()  # the size of the loss's terms
     unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
@@ -181,6 +186,10 @@ POLICY_VARIANTS = [
     ("token_mean", 0.2, 0.5, 0.1, "k3", "tis", False, 1.0, "cispo"),
     ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 0.7, "sapo"),
     ("token_mean", 0.2, 0.28, 0.1, "k3", "tis", False, 1.0, "ppo", True),  # grpo.kl_unbiased
+    # grpo.off_policy_delta, on- and off-policy (the engine's logprobs drift 0.1 up, see
+    # fused_and_unfused: the negative-advantage rows exceed a delta of 0.02)
+    ("token_mean", 0.2, 0.2, 0.1, "k3", "tis", True, 1.0, "ppo", False, 0.02),
+    ("seq_mean", 0.2, 0.2, 0.0, "k3", "none", False, 0.7, "cispo", False, 0.02),
 ]
 
 
@@ -202,6 +211,9 @@ def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_
         for name in grads:
             assert (fused[name] - unfused[name]).abs().max() < tol * top, name
         assert fused["clipped"] == unfused["clipped"]
+        if len(variant) > 10:  # the mask dropped rows: without it the loss differs
+            unmasked = fused_and_unfused(arch, variant[:10] + (0.0,), dtype, turns)[0]
+            assert abs(unmasked["loss"] - fused["loss"]) > 100 * tol * scale
     if variant[8] in ("gspo", "cispo", "ppo") and not variant[6]:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
 

@@ -226,3 +226,29 @@ def test_every_importance_sampling_mode_against_its_loop(cap_low):
                 kinds.add(want if mode.endswith("mask")
                           else (want == cap, want == lo, lo < want < cap))
         assert len(kinds) > 1, (mode, kinds)  # the case reaches both sides of the band
+
+
+def test_off_policy_mask_against_its_loop():
+    """grpo.off_policy_keep and off_policy_stats (DeepSeek-V3.2, eq. 9): a response is dropped
+    exactly when its advantage is negative and the mean over its tokens of log p_engine -
+    log p_trainer exceeds delta; the metric counts those responses among all."""
+    g = torch.Generator().manual_seed(5)
+    logp = torch.randn(8, 5, generator=g, dtype=torch.float64) - 1
+    engine = logp + torch.randn(8, 5, generator=g, dtype=torch.float64) * 0.3 + 0.05
+    mask = (torch.rand(8, 5, generator=g) < 0.8).double()
+    mask[:, 0] = 1
+    adv = torch.tensor([1.0, -1.0, -0.5, 2.0, -2.0, -0.1, 0.0, -3.0], dtype=torch.float64)
+    delta = 0.05
+    keep = grpo.off_policy_keep(logp, engine, mask, adv[:, None], delta)[:, 0].tolist()
+    want = []
+    for i in range(8):
+        toks = [t for t in range(5) if mask[i, t]]
+        kl = sum(engine[i, t].item() - logp[i, t].item() for t in toks) / len(toks)
+        want.append(0.0 if adv[i] < 0 and kl > delta else 1.0)
+    assert keep == want and 0 < sum(want) < 8
+    per_sample = [(logp[i][mask[i].bool()], engine[i][mask[i].bool()]) for i in range(8)]
+    stats = grpo.off_policy_stats([o for o, _ in per_sample], [e for _, e in per_sample], adv,
+                                  delta)
+    assert stats["off_policy_masked_frac"].total == 8 - sum(want)
+    assert stats["off_policy_masked_frac"].count == 8
+    assert grpo.off_policy_stats([], [], adv, 0.0) == {}  # off: no metric
