@@ -89,7 +89,8 @@ class GRPOConfig:
     is_cap_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
     # DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9): a response with a
     #   negative advantage whose mean log(p_engine / p_trainer) over its tokens exceeds this
-    #   gets no policy loss (its KL term stays); 0: off
+    #   gets no policy loss (its KL term stays); 0: off. On, each micro-batch takes one more
+    #   pass over the vocabulary (its sequences' logprobs before any gradient)
     off_policy_delta: Annotated[float, Range(0)] = 0.0
     dynamic_sampling: Annotated[bool, FLAG] = False  # drop groups whose rewards are all equal
     # with dynamic sampling: rounds of fresh prompts to refill the batch
