@@ -74,8 +74,6 @@ def check_device_type(build: str | None, soc_version: int) -> None:
 def _has_nnal(env: dict) -> bool:
     """NNAL's ATB is set up (its set_env.sh exports ATB_HOME_PATH and puts libatb.so on
     LD_LIBRARY_PATH), or libatb.so is on LD_LIBRARY_PATH some other way."""
-    import os
-
     return bool(env.get("ATB_HOME_PATH")) or any(
         os.path.exists(os.path.join(d, "libatb.so"))
         for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d)
