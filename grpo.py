@@ -5,7 +5,8 @@ response_ids, the engine's logp of each response token) and rewards, and leaves 
 on the FSDP2 actor. To try a new loss, edit `grpo_loss`: it is the per-token objective that
 training minimises (the fused pass in logprobs.py calls it on every chunk of output rows, and
 differentiates it there). For a new option, add a field to `GRPOConfig` with its domain in the
-field's type (domains.py). The advantages are `group_advantages`, called by `score`.
+field's type (domains.py). The advantages are `advantages` (by default `group_advantages`),
+called by `score`.
 
 With the defaults this GRPO is, precisely:
 - advantage = (r - mean_group) / (std_group + eps), std unbiased (DeepSeekMath's GRPO); groups
@@ -17,10 +18,12 @@ With the defaults this GRPO is, precisely:
 - one optimizer step per rollout, so old_logp is the current policy's own (detached) logp, the
   ratio is 1, and the gradient is REINFORCE with group-normalised advantages (TIS-weighted).
 Variants, each a few lines selected by the `grpo:` config section (docs/algorithm.md has the table):
-sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scaling, asymmetric
-clipping (DAPO), several epochs and mini-batches per rollout (PPO), a KL term to a frozen
-reference (k1/k2/k3), sequence-level masking instead of TIS, dynamic sampling (DAPO), and
-masking or a soft penalty for responses cut at the length limit (DAPO).
+sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scaling, the batch's
+std instead of the group's (Lite PPO), each reward function normalised apart (GDPO), asymmetric
+clipping (DAPO), other surrogates (GSPO, CISPO, SAPO), several epochs and mini-batches per
+rollout (PPO), a KL term to a frozen reference (k1/k2/k3, optionally unbiased), token or
+sequence masking or truncation instead of TIS, DeepSeek-V3.2's off-policy sequence mask, dynamic
+sampling (DAPO), and masking or a soft penalty for responses cut at the length limit (DAPO).
 
 A multi-turn sample (episodes.py) holds the environment's replies inside its response, with
 `mask` 0 there: those tokens get no loss, no importance weight and no KL, count in no token
@@ -55,6 +58,13 @@ class GRPOConfig:
     prompts_per_step: Annotated[int, Range(1)] = 32
     adv_eps: Annotated[float, Range(0)] = 1e-6  # added to the group std
     scale_adv_by_std: Annotated[bool, FLAG] = True  # false: adv = r - mean (Dr. GRPO)
+    # the std that divides r - mean: its group's (GRPO), or the batch's, every sample of the
+    #   step over all engine groups (Lite PPO, arXiv 2508.08221; TRL scale_rewards=batch)
+    adv_std: Annotated[str, OneOf("group", "batch")] = "group"
+    # several reward.funcs: sum, the advantage of their weighted sum; gdpo, each function's
+    #   own group advantage, weighted and summed, then normalised over the batch (GDPO, arXiv
+    #   2601.05242; TRL multi_objective_aggregation=normalize_then_sum)
+    reward_agg: Annotated[str, OneOf("sum", "gdpo")] = "sum"
     # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
     loss_agg: Annotated[str, OneOf(*LOSS_AGGS)] = "token_mean"
     # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -121,6 +131,17 @@ def validate(cfg: GRPOConfig) -> None:
                          "GSPO weighs whole sequences, that mode single tokens, and a sequence's "
                          "gradient would depend on how the weights spread over its tokens. Fix: "
                          "grpo.is_correction=seq_mask (or another seq_ mode, or none)")
+    if cfg.adv_std == "batch" and not cfg.scale_adv_by_std:
+        raise ValueError("grpo.adv_std=batch with grpo.scale_adv_by_std=false: no std divides "
+                         "the advantage. Fix: drop one of them")
+    if cfg.reward_agg == "gdpo" and (cfg.adv_std, cfg.scale_adv_by_std) != ("group", True):
+        raise ValueError("grpo.reward_agg=gdpo divides each function's advantage by its group's "
+                         "std, then the sum by the batch's: it ignores grpo.adv_std and grpo."
+                         "scale_adv_by_std. Fix: leave them out")
+    if cfg.reward_agg == "gdpo" and cfg.overlong == "penalty":
+        raise ValueError("grpo.reward_agg=gdpo with grpo.overlong=penalty: the penalty adds to "
+                         "the weighted sum, which GDPO does not normalise. Fix: grpo.overlong="
+                         "mask, or reward_agg=sum")
     ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
     if cfg.policy_loss == "sapo" and cfg.clip_high != defaults.clip_high:
         ignored.append(f"clip_high={cfg.clip_high}")
@@ -137,15 +158,17 @@ def validate(cfg: GRPOConfig) -> None:
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int, valid=None) -> torch.Tensor:
-    """(B*G,) rewards -> (B,) bool: groups whose rewards are all exactly equal. An exact test:
-    0.1 + 0.2 vs 0.3 is float noise, not signal, and must not become a 1e8-scale advantage.
-    With `valid` ((B*G,) bool), over each group's valid samples: fewer than two is no signal."""
-    r = rewards.view(-1, group_size)
+    """(B*G,) rewards, or (B*G, K): K reward functions' values -> (B,) bool: groups whose rewards
+    (each function's) are all exactly equal. An exact test: 0.1 + 0.2 vs 0.3 is float noise, not
+    signal, and must not become a 1e8-scale advantage. With `valid` ((B*G,) bool), over each
+    group's valid samples: fewer than two is no signal."""
+    r = rewards.reshape(-1, group_size, rewards.shape[1] if rewards.dim() == 2 else 1)
     if valid is None:
-        return (r == r[:, :1]).all(1)
+        return (r == r[:, :1]).all(2).all(1)
     v = valid.view(-1, group_size)
-    first = r.gather(1, v.to(torch.long).argmax(1, keepdim=True))  # a valid sample's reward
-    return ((r == first) | ~v).all(1) | (v.sum(1) < 2)
+    at = v.to(torch.long).argmax(1).view(-1, 1, 1).expand(-1, 1, r.shape[2])
+    first = r.gather(1, at)  # a valid sample's rewards
+    return ((r == first).all(2) | ~v).all(1) | (v.sum(1) < 2)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
@@ -168,6 +191,39 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
     if scale_by_std:
         adv = adv / (std + eps)
     return adv.masked_fill(constant_groups(rewards, group_size, valid).unsqueeze(1), 0.0).view(-1)
+
+
+def batch_moments(x: torch.Tensor, valid: torch.Tensor, over_engines) -> tuple[float, float]:
+    """The mean and unbiased std of x's valid entries over the whole batch: this engine group's
+    and every other's, through `over_engines` (a list of floats summed over the engine groups,
+    each counted once: rollout.EngineGroup.sum_over_engines, called alike by every rank)."""
+    n, total = over_engines([float(valid.sum()), float(x[valid].sum())])
+    mean = total / max(n, 1)
+    (squares,) = over_engines([float((x[valid] - mean).square().sum())])
+    return mean, math.sqrt(squares / max(n - 1, 1))
+
+
+def advantages(columns: torch.Tensor, weights: list, valid: torch.Tensor, cfg: GRPOConfig,
+               over_engines=lambda v: v) -> tuple[torch.Tensor, float | None]:
+    """(B*G, K) rewards (`reward_columns`), prompt-major -> (B*G,) advantages, and the batch std
+    that divided them (None: the groups' own did). sum (K = 1): group_advantages, or with
+    grpo.adv_std=batch, r - its group's mean over the batch's std (Lite PPO). gdpo: each
+    function's group advantage, weighted by `weights` and summed, then that sum normalised over
+    the batch (GDPO). Constant groups (every function constant) and invalid samples get 0."""
+    G, eps, std = cfg.group_size, cfg.adv_eps, None
+    if cfg.reward_agg == "gdpo":
+        x = sum(w * group_advantages(c.contiguous(), G, eps, True, valid)
+                for w, c in zip(weights, columns.T))
+        mean, std = batch_moments(x, valid, over_engines)
+        adv = (x - mean) / (std + eps)
+    else:
+        r, by_group = columns[:, 0], cfg.adv_std == "group"
+        adv = group_advantages(r, G, eps, cfg.scale_adv_by_std and by_group, valid)
+        if not by_group:
+            std = batch_moments(r, valid, over_engines)[1]
+            adv = adv / (std + eps)
+    signal = valid & ~constant_groups(columns, G, valid).repeat_interleave(G)
+    return adv.masked_fill(~signal, 0.0), std
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float):
@@ -345,12 +401,22 @@ def dropped_samples(env_failed: list, reward_failed: list, drop: bool) -> list[b
     return [drop and (e or r) for e, r in zip(env_failed, reward_failed)]
 
 
-def keep_groups(rewards: list, lengths: list, dropped: list, limit: int,
+def reward_columns(total: list, by_name: dict, lengths: list, limit: int,
+                   cfg: GRPOConfig) -> torch.Tensor:
+    """(B*G, K) fp64: what the advantages normalise. K = 1, the weighted sum of the reward
+    functions (`total`), shaped (shaped_rewards); with grpo.reward_agg=gdpo each function's own
+    values (`by_name`, in reward.funcs order)."""
+    if cfg.reward_agg == "gdpo":
+        return torch.tensor(list(by_name.values()), dtype=torch.float64).T.reshape(len(total), -1)
+    return shaped_rewards(total, lengths, limit, cfg).unsqueeze(1)
+
+
+def keep_groups(total: list, by_name: dict, lengths: list, dropped: list, limit: int,
                 cfg: GRPOConfig) -> list[bool]:
     """Per group: whether it may go into the update. With dynamic sampling (DAPO) a group whose
-    shaped rewards are all equal over its valid samples is left out: it has no signal."""
-    constant = constant_groups(shaped_rewards(rewards, lengths, limit, cfg), cfg.group_size,
-                               ~torch.tensor(dropped, dtype=torch.bool))
+    rewards (reward_columns) are all equal over its valid samples is left out: no signal."""
+    constant = constant_groups(reward_columns(total, by_name, lengths, limit, cfg),
+                               cfg.group_size, ~torch.tensor(dropped, dtype=torch.bool))
     return [not (c and cfg.dynamic_sampling) for c in constant.tolist()]
 
 
@@ -377,32 +443,38 @@ class Scored:
     dropped: list[bool]  # per sample: out of the loss (a failed environment or reward call)
     groups: list[int]  # this engine group's groups that train
     trained: list[int]  # their samples that train (this engine group's; each rank a share)
+    batch_std: float | None = None  # the batch's std that divided the advantages, if one did
 
     def metrics(self, first: bool) -> dict:
         """The counts of the step's metrics, each once per engine group (its first rank)."""
         one = int(first)
-        return {"groups_constant": tracking.Sum(one * sum(self.constant)),
-                "groups_trained": tracking.Sum(one * len(self.groups)),
-                "samples_trained": tracking.Sum(one * len(self.trained)),
-                "samples_dropped": tracking.Sum(one * sum(self.dropped))}
+        m = {"groups_constant": tracking.Sum(one * sum(self.constant)),
+             "groups_trained": tracking.Sum(one * len(self.groups)),
+             "samples_trained": tracking.Sum(one * len(self.trained)),
+             "samples_dropped": tracking.Sum(one * sum(self.dropped))}
+        if self.batch_std is not None:  # every rank holds the same
+            m["adv_batch_std"] = self.batch_std
+        return m
 
 
-def score(rollout, cfg: GRPOConfig, engine_idx: int, limit: int, drop: bool) -> Scored:
+def score(rollout, cfg: GRPOConfig, group, limit: int, drop: bool, weights: list) -> Scored:
     """The rollout's rewards, shaped (overlong penalty, against `limit` tokens) into advantages
-    within each group of G; a sample whose environment or reward call failed is, with `drop`,
-    left out of its group's advantages and of the loss. Then the groups this engine group trains
-    (the kept ones, up to grpo.prompts_per_step over all engine groups) and their samples (with
-    grpo.overlong=mask, not those cut at the limit). Every rank of an engine group gets the
-    same."""
+    within each group of G (`advantages`; `weights`: reward.weights, for GDPO); a sample whose
+    environment or reward call failed is, with `drop`, left out of its group's advantages and of
+    the loss. Then the groups this engine group (`group`: rollout.EngineGroup) trains (the kept
+    ones, up to grpo.prompts_per_step over all engine groups) and their samples (with
+    grpo.overlong=mask, not those cut at the limit). Every rank of an engine group gets the same;
+    every rank must call it (a batch std is an all-reduce)."""
     G = cfg.group_size
     dropped = dropped_samples(rollout.env_failed, rollout.reward_failed, drop)
     valid = ~torch.tensor(dropped, dtype=torch.bool)
-    shaped = shaped_rewards(rollout.rewards, [len(s.response_ids) for s in rollout.samples],
-                            limit, cfg)  # (B*G,)
-    groups = take_groups(rollout.keep, rollout.kept, engine_idx, cfg.prompts_per_step)
+    columns = reward_columns(rollout.rewards, rollout.by_name,
+                             [len(s.response_ids) for s in rollout.samples], limit, cfg)
+    adv, batch_std = advantages(columns, weights, valid, cfg, group.sum_over_engines)
+    groups = take_groups(rollout.keep, rollout.kept, group.index, cfg.prompts_per_step)
     return Scored(
-        adv=group_advantages(shaped, G, cfg.adv_eps, cfg.scale_adv_by_std, valid).tolist(),
-        constant=constant_groups(shaped, G, valid).tolist(), dropped=dropped, groups=groups,
+        adv=adv.tolist(), constant=constant_groups(columns, G, valid).tolist(), dropped=dropped,
+        groups=groups, batch_std=batch_std,
         trained=trained_samples(groups, G, dropped, [s.truncated for s in rollout.samples],
                                 cfg.overlong == "mask"))
 

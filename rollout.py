@@ -134,6 +134,19 @@ class EngineGroup:
         dist.all_gather(counts, torch.tensor([n]))
         return [int(c) for c in counts[::self.size]]
 
+    def sum_over_engines(self, values: list[float]) -> list[float]:
+        """`values` summed over the engine groups, each counted once (its first rank's; each rank
+        of a group passes the same): an fp64 all-reduce over the world, which every rank must
+        call. Without a process group, `values` as they are."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64) * int(self.first)
+        dist.all_reduce(t)
+        return t.tolist()
+
     def one_answer(self, fn):
         if self.group is None:
             return fn()

@@ -83,8 +83,9 @@ class Sampler:
         rewards = records.Rewards(out["reward"], out["by_name"], out["failed"], out["errors"],
                                   out["timeouts"])
         dropped = grpo.dropped_samples(generated.failed, rewards.failed, self.drop_failed)
-        keep = grpo.keep_groups(rewards.total, [len(s.response_ids) for s in generated.samples],
-                                dropped, self.limit, self.cfg.grpo)
+        keep = grpo.keep_groups(rewards.total, rewards.by_name,
+                                [len(s.response_ids) for s in generated.samples], dropped,
+                                self.limit, self.cfg.grpo)
         return rewards, keep
 
     def close(self) -> None:

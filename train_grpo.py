@@ -335,8 +335,8 @@ def train_step(run: Run, return_rollout: bool = False):
     with run.turn:
         ro = run.sampler.collect(step)
     # 2) score: advantages within each group; the samples the update takes (grpo.score)
-    scored = grpo.score(ro, cfg.grpo, run.group.index, run.sampler.limit,
-                        run.sampler.drop_failed)
+    scored = grpo.score(ro, cfg.grpo, run.group, run.sampler.limit, run.sampler.drop_failed,
+                        run.sampler.scorer.weights)
     # 3) update: this rank's share of them (partial rollout: rollout.partial.stale applied)
     t = time.perf_counter()
     mine = scored.trained[run.group.tp_rank::run.group.size]

@@ -90,8 +90,8 @@ def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
 def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     """The non-default paths through the real loop at once: sequence-mean loss, clip-higher, two
     epochs of two mini-batches, a KL term to the frozen reference, sequence-level mismatch
-    masking, dynamic sampling with refill rounds, the soft overlong penalty, and the actor moved
-    to host memory while the engine generates."""
+    masking, dynamic sampling with refill rounds, the soft overlong penalty, the batch's std
+    for the advantages, and the actor moved to host memory while the engine generates."""
     steps, prompts = 30, 32
     launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", f"--train.steps={steps}",
             f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}",
@@ -99,8 +99,10 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
             "--grpo.clip_high=0.28", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
             "--grpo.kl_coef=0.01", "--grpo.is_correction=seq_mask", "--grpo.dynamic_sampling=true",
             "--grpo.max_gen_rounds=3", "--grpo.overlong=penalty", "--grpo.overlong_buffer=2",
-            "--grpo.overlong_penalty_factor=0.1", "--model.offload=on"], timeout=900)
+            "--grpo.overlong_penalty_factor=0.1", "--model.offload=on", "--grpo.adv_std=batch"],
+           timeout=900)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all(r["adv_batch_std"] > 0 for r in rows)  # the std over both ranks' rewards
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert KEYS | {"kl"} <= set(rows[0])
     # step 1: the actor is the reference, so the KL is 0; the update moves it away after that
@@ -238,13 +240,15 @@ def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path
     """rollout.tp_size 2 on 2 ranks: one engine, whose ranks must pass vLLM the same prompts. The
     environment and the reward answer differently on each rank (tests/workers/rank_noisy.py):
     only the engine's first rank calls them, in training and in eval, and the run goes through
-    with the engine's logprobs equal to the trainer's."""
+    with the engine's logprobs equal to the trainer's. Two reward functions, normalised apart
+    (grpo.reward_agg=gdpo), over the engine's batch (a sum over engines, once each)."""
     calls, out_dir = tmp_path / "calls.log", tmp_path / "run"
     out = launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml", "--train.steps=3",
                   "--rollout.tp_size=2", "--grpo.prompts_per_step=16",
                   f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
                   "--log.eval_every=3", "--env.name=tests/workers/rank_noisy.py:env",
-                  "--reward.funcs=tests/workers/rank_noisy.py:reward"],
+                  "--reward.funcs=tests/workers/rank_noisy.py:reward,tiny_sum",
+                  "--grpo.reward_agg=gdpo"],
                  timeout=900, env={"CALLS_LOG": str(calls)})
     assert "step 3/3 | reward" in out
     lines = calls.read_text().split()
@@ -252,4 +256,5 @@ def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path
     assert set(ranks) == {"0"} and {"env", "reward"} <= set(kinds)
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert all(r["logp_gap"] < 1e-4 for r in rows) and "eval_pass1" in rows[-1]
+    assert all(r["adv_batch_std"] >= 0 for r in rows)  # GDPO's batch: the engine's, once
     assert rows[0]["turns_mean"] > 1.5  # the replies (rank 0's) were taken: a second turn
