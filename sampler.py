@@ -47,6 +47,10 @@ class Sampler:
 
     def collect(self, step: int) -> records.Rollout:
         """Step `step`'s rollout (module docstring)."""
+        # the ranks of an engine must sample alike, and vLLM draws from torch's default generator
+        # where a request has no seed: every rank's the same again, whatever each drew since
+        # (rank 0 alone draws LoRA's initial adapters; dropout draws per token it trains)
+        torch.manual_seed(rollout.seed_from(self.cfg.rollout.seed, step, self.group.index))
         if self.partial is not None:
             return self.partial.collect(step)
         if step != self.step:  # a new step: the last one went through

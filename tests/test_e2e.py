@@ -241,14 +241,17 @@ def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path
     environment and the reward answer differently on each rank (tests/workers/rank_noisy.py):
     only the engine's first rank calls them, in training and in eval, and the run goes through
     with the engine's logprobs equal to the trainer's. Two reward functions, normalised apart
-    (grpo.reward_agg=gdpo), over the engine's batch (a sum over engines, once each)."""
+    (grpo.reward_agg=gdpo), over the engine's batch (a sum over engines, once each). With LoRA:
+    rank 0 alone draws the initial adapters from torch's generator, from which vLLM samples;
+    unless the sampler reseeds it alike on the engine's ranks, they sample different tokens
+    into one engine (sampler.Sampler.collect) and the logprobs differ by ~0.1."""
     calls, out_dir = tmp_path / "calls.log", tmp_path / "run"
     out = launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml", "--train.steps=3",
                   "--rollout.tp_size=2", "--grpo.prompts_per_step=16",
                   f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={out_dir}",
                   "--log.eval_every=3", "--env.name=tests/workers/rank_noisy.py:env",
                   "--reward.funcs=tests/workers/rank_noisy.py:reward,tiny_sum",
-                  "--grpo.reward_agg=gdpo"],
+                  "--grpo.reward_agg=gdpo", "--model.lora.rank=8"],
                  timeout=900, env={"CALLS_LOG": str(calls)})
     assert "step 3/3 | reward" in out
     lines = calls.read_text().split()
