@@ -16,6 +16,7 @@ import typing
 
 import torch
 
+import distill
 import domains
 import episodes
 import fsdp_utils
@@ -253,6 +254,7 @@ def validate(cfg, world_size: int) -> None:
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
         grpo.validate(cfg.grpo)  # the surrogates' rules
+        distill.validate(cfg.distill, cfg.grpo.dynamic_sampling)  # the teacher's path
     except ValueError as e:
         raise BadInput(str(e)) from None
     _check_paths(cfg)
@@ -321,15 +323,19 @@ def _check_paths(cfg) -> None:
 
 def check_host_memory(cfg, world_size: int) -> None:
     """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
-    (with model.offload) and the reference (with grpo.kl_coef > 0); the bytes come from the
-    model's config.json (offload.host_bytes_per_rank), not its weights."""
+    (with model.offload), the reference (with grpo.kl_coef > 0) and the teacher (with
+    distill.teacher); the bytes come from the models' config.json
+    (offload.host_bytes_per_rank), not their weights."""
     compute, lora = getattr(torch, cfg.model.param_dtype), cfg.model.lora.rank > 0
     ref_dtype = compute if cfg.grpo.kl_coef > 0 and not lora else None  # LoRA: the actor's base
-    on = offload.enabled(cfg.model.offload)
-    if not (on or ref_dtype):
+    on, teacher = offload.enabled(cfg.model.offload), cfg.distill.teacher
+    if not (on or ref_dtype or teacher):
         return
     need = offload.host_bytes_per_rank(cfg.model.path, world_size, on, ref_dtype,
                                        compute if lora else None)
+    if os.path.isdir(teacher):  # parked like a reference, in its own dtype
+        need += offload.host_bytes_per_rank(teacher, world_size, False, getattr(
+            torch, cfg.distill.dtype or cfg.model.param_dtype))
     try:
         offload.check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   offload.host_memory_available())
@@ -341,9 +347,14 @@ def check_model(cfg) -> None:
     """The checks that need the model's own files, read without loading it (config.json and the
     tokenizer's files, never the weights): rollout.max_model_len within the model's positions,
     a KV cache (rollout.kv_cache_memory_bytes) that holds one request of max_model_len tokens,
-    and a chat template where data.chat_template asks for one. BadInput naming the field. A
+    a chat template where data.chat_template asks for one, and a teacher (distill.teacher) of
+    the same tokenizer. BadInput naming the field. A
     model.path that is a hub id, not a directory, is left to the loaders."""
     path, r = cfg.model.path, cfg.rollout
+    try:
+        distill.check_files(cfg.distill, path)  # the teacher's tokenizer is the student's
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         return
     with open(os.path.join(path, "config.json")) as f:

@@ -352,11 +352,12 @@ def off_policy_stats(old_logp: list, engine_logp: list, adv: torch.Tensor,
                      delta: float) -> dict:
     """With grpo.off_policy_delta: off_policy_masked_frac, the share of responses the mask
     dropped, judged on the logprobs before the first optimizer step (per-sample (n_i,) tensors
-    of the model's tokens); nothing when it is off."""
+    of the model's tokens; per-token advantages by the sign of their sum, as in the pass);
+    nothing when it is off."""
     if delta <= 0:
         return {}
-    dropped = 0
-    for o, e, a in zip(old_logp, engine_logp, adv.tolist()):
+    dropped, adv = 0, [float(a.sum()) for a in adv] if isinstance(adv, list) else adv.tolist()
+    for o, e, a in zip(old_logp, engine_logp, adv):
         kl = float((e.double() - o.double()).mean()) if len(o) else 0.0
         dropped += a < 0 and kl > delta
     return {"off_policy_masked_frac": tracking.Mean(dropped, len(old_logp))}
@@ -487,12 +488,15 @@ def score(rollout, cfg: GRPOConfig, group, limit: int, drop: bool, weights: list
 def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_tokens: float,
                  n_seqs: float, max_len: int) -> Tokens:
     """The loss's inputs for each of a micro-batch's K response tokens, on the host, in mb's
-    order: from the samples, their advantages and, when given, the old and reference logprobs
-    (per-sample lists); with the old logprobs, the mismatch weights from them."""
+    order: from the samples, their advantages (`adv`: one per sample, or a list of per-token
+    tensors) and, when given, the old and reference logprobs (per-sample lists); with the old
+    logprobs, the mismatch weights from them."""
     def cat(lists):
         return torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in lists])
 
-    t = Tokens(adv=torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)),
+    per_token = (torch.cat(adv) if isinstance(adv, list)  # fp32, or fp64 (in tests)
+                 else torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)))
+    t = Tokens(adv=per_token,
                coef=mb.flat(loss_weights(mb.mask, cfg, n_tokens, n_seqs, max_len)),
                written=mb.flat(mb.mask), engine=cat([s.logp for s in batch]))
     if old_logp is not None:
@@ -554,7 +558,8 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                          cfg: GRPOConfig, pad_id: int, device, temperature: float,
                          max_len: int) -> tuple[list, dict]:
     """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
-    actor. old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
+    actor. adv: each sample's advantage (n,), or each one's per-token advantages, a list of
+    (n_i,) tensors (distill.py). old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
     Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
     metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
     temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
@@ -572,8 +577,8 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None
                     for lp in (old_logp, ref_logp))
         mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config)
-        t = token_inputs(batch, mb, adv[idx] if idx else torch.zeros(1), old, ref, cfg, n_tokens,
-                         n_seqs, max_len)
+        t = token_inputs(batch, mb, samples_of(adv, idx) if idx else torch.zeros(1), old, ref,
+                         cfg, n_tokens, n_seqs, max_len)
         mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
         out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
         logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
@@ -584,6 +589,11 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                 stats[name] = stats[name] + out[name].detach()  # in the wider dtype
             found.append((idx, out["logp"], mb.lengths))
     return logprobs.per_sample(found, len(samples)), stats
+
+
+def samples_of(adv, idx: list):
+    """The advantages of the samples idx: adv[idx] of a (n,) tensor, or of a per-token list."""
+    return [adv[i] for i in idx] if isinstance(adv, list) else adv[idx]
 
 
 def written(samples: list, per_token: list) -> list:
@@ -628,9 +638,9 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
         for part in split_mini_batches(len(samples), cfg.mini_batches, shuffle):
             old, ref_lp = ([lp[i] for i in part] if lp is not None else None
                            for lp in (old_logp, ref_logp))
-            logp, stats = accumulate_gradients(actor, [samples[i] for i in part], adv[part],
-                                               old, ref_lp, cfg, pad_id, device, temperature,
-                                               max_len)
+            logp, stats = accumulate_gradients(actor, [samples[i] for i in part],
+                                               samples_of(adv, part), old, ref_lp, cfg, pad_id,
+                                               device, temperature, max_len)
             if old_logp is None:  # on-policy: the single forward saw the sampling policy
                 old_logp = [None] * len(samples)
                 for k, i in enumerate(part):

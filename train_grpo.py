@@ -40,6 +40,7 @@ import torch.distributed as dist
 import checkpoint
 import config
 import data
+import distill
 import episodes
 import evaluation
 import fsdp_utils
@@ -54,6 +55,7 @@ import tiny_task
 import tracking
 import weight_sync
 from data import DataConfig
+from distill import DistillConfig
 from domains import FLAG, Range
 from episodes import EnvConfig
 from fsdp_utils import ModelConfig, OptimConfig
@@ -90,6 +92,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -116,6 +119,7 @@ class Run:
     sampler: "sampler.Sampler" = None  # collects a step's rollout: engine, episodes, rewards, data
     actor: torch.nn.Module = None
     ref: torch.nn.Module = None  # the frozen reference, with grpo.kl_coef > 0
+    teacher: torch.nn.Module = None  # the frozen teacher, with distill.teacher (distill.py)
     opt: torch.optim.Optimizer = None
     sched: object = None
     trainable: int = 0  # the actor's parameters that train
@@ -136,7 +140,7 @@ class Run:
         global _OPEN
         parts, engine = [self.bar, self.tracker, self.profiler, self.sampler], self.engine
         self.bar = self.tracker = self.profiler = self.sampler = self.engine = self.turn = None
-        self.actor = self.ref = self.opt = self.sched = None
+        self.actor = self.ref = self.teacher = self.opt = self.sched = None
         errors = []
         stops = [p.close for p in parts if p is not None] + ([engine.shutdown] if engine else [])
         # the engine's shutdown may already have destroyed the process group
@@ -273,6 +277,8 @@ def build(run: Run) -> None:
     if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)
         run.ref = (run.actor if cfg.model.lora.rank
                    else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
+    if cfg.distill.teacher:  # whole, with adapters on the actor or not
+        run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
     run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
     run.trainable = fsdp_utils.trainable(run.actor)
     run.flops = fsdp_utils.flops_per_token(run.actor)
@@ -342,18 +348,23 @@ def train_step(run: Run, return_rollout: bool = False):
     mine = scored.trained[run.group.tp_rank::run.group.size]
     samples = partial.for_update([ro.samples[i] for i in mine], step - 1,
                                  cfg.rollout.partial.stale)
+    adv = torch.tensor(scored.adv)[mine]
+    pad, device, taught = run.tokenizer.pad_token_id or 0, npu_ops.local_device(), {}
+    if run.teacher is not None:  # on-policy distillation: per-token advantages (distill.py)
+        with torch.profiler.record_function("step:teacher"):
+            adv, taught = distill.advantages(run.teacher, samples, adv, cfg, pad, device)
     with torch.profiler.record_function("step:train"):
-        update = grpo.update(run.actor, run.ref, run.opt, samples, torch.tensor(scored.adv)[mine],
-                             cfg.grpo, pad_id=run.tokenizer.pad_token_id or 0,
-                             device=npu_ops.local_device(), temperature=cfg.rollout.temperature,
+        update = grpo.update(run.actor, run.ref, run.opt, samples, adv, cfg.grpo, pad_id=pad,
+                             device=device, temperature=cfg.rollout.temperature,
                              max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
                              seed=rollout.seed_from(cfg.train.seed, step, run.rank))
     run.sched.step()
     run.step = step
-    logprobs_s = update.pop("logprobs_time_s")  # the old-policy and reference passes
+    # the passes before the update's own: the old policy's and the reference's, the teacher's
+    logprobs_s = update.pop("logprobs_time_s") + taught.get("teacher_time_s", 0.0)
     times = {"gen_time_s": ro.seconds["gen"], "reward_time_s": ro.seconds["reward"],
              "logprobs_time_s": logprobs_s, "train_time_s": time.perf_counter() - t - logprobs_s,
-             "step_time_s": time.perf_counter() - t0}
+             "step_time_s": time.perf_counter() - t0, **taught}
     # 4) log: the step's metrics over all ranks; eval, samples and checkpoints on schedule
     metrics = step_metrics(run, ro, scored, {**update, **times}, samples)
     log_step(run, ro, metrics)

@@ -30,15 +30,17 @@ ALLOWED = {
     "logprobs": set(),  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
+    # on-policy distillation: the teacher, its pass, per-token advantages
+    "distill": {"fsdp_utils", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
-               "fsdp_utils", "grpo"},
+               "fsdp_utils", "grpo", "distill"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains", "records", "partial", "evaluation", "sampler"},
+                   "domains", "records", "partial", "evaluation", "sampler", "distill"},
 }
 
 # A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.

@@ -1,0 +1,153 @@
+"""On-policy distillation: a teacher model's logprob of every token the student sampled, as the
+per-token signal (Agarwal et al. 2023, "On-Policy Distillation of Language Models", GKD, arXiv
+2306.13649; Qwen3's small models were trained this way).
+
+The student is the actor: it samples as in GRPO. The teacher is a frozen FSDP2 model built like
+the reference (fsdp_utils.build_actor(reference=True): sharded over every rank, in its compute
+dtype, parked in host memory except during its pass), so a teacher larger than the student fits.
+Once a step, after the rollout, it scores the samples the update takes: one pass over them
+(logprobs.sample_logprobs: packed rows, the output layer chunked over the vocabulary, one read
+back at the end). Each token the model wrote gets the advantage
+
+    coef * (logp_teacher - logp_student) + reward_coef * A_group
+
+with logp_student the engine's logprob of the token (the policy that sampled it): the
+sampled-token estimate of -KL(student || teacher), the reverse KL, which the student lowers by
+raising the tokens the teacher likes more than it does. Both logprobs are of softmax(logits /
+rollout.temperature). A_group is GRPO's advantage of the sample (grpo.score); reward_coef 0 is
+pure distillation, where the rewards are still computed and logged. The loss is grpo.grpo_loss,
+unchanged: its advantages arrive per token (grpo.accumulate_gradients takes either), so the
+surrogate, the mismatch correction and the masks apply as to GRPO's; tokens an environment wrote
+get no loss, as always.
+
+With LoRA the teacher stays whole (only the student has adapters); with partial rollout a carried
+token's logp_student is that of the version that wrote it; at rollout.tp_size > 1 each rank
+scores its own share of the samples.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+
+import fsdp_utils
+import logprobs
+import tracking
+from domains import Anything, OneOf, Range
+
+
+@dataclass
+class DistillConfig:
+    """The `distill:` section: a teacher whose per-token logprobs train the student."""
+
+    # the teacher: a model directory (or hub id) with the student's tokenizer; "": no teacher
+    teacher: Annotated[str, Anything("distill.validate: a directory with config.json, or a hub "
+                                     "id", refused=("no/such/dir/x",))] = ""
+    coef: Annotated[float, Range(0)] = 1.0  # the weight of the teacher's per-token signal
+    # the weight of GRPO's group advantage beside it: 0, pure distillation
+    reward_coef: Annotated[float, Range(0)] = 0.0
+    # the teacher's compute dtype; "": model.param_dtype
+    dtype: Annotated[str, OneOf("", "bfloat16", "float16", "float32")] = ""
+
+
+def validate(cfg: DistillConfig, dynamic_sampling: bool) -> None:
+    """The section across its fields and grpo's, before any model loads: a one-line ValueError
+    naming the field and the fix."""
+    teacher = cfg.teacher
+    if not teacher:
+        return
+    if not os.path.isdir(teacher) and teacher.count("/") != 1:
+        raise ValueError(f"distill.teacher='{teacher}' is neither a directory nor a hub id "
+                         "(org/name). Fix: the directory of a trained model (runs/tiny_cpu/final "
+                         "comes from: torchrun --nproc_per_node 2 train_grpo.py --config "
+                         "configs/tiny_cpu.yaml)")
+    if os.path.isdir(teacher) and not os.path.isfile(os.path.join(teacher, "config.json")):
+        raise ValueError(f"distill.teacher='{teacher}' has no config.json: not a Hugging Face "
+                         "model directory. Fix: point it at the directory with config.json")
+    if cfg.coef == 0 and cfg.reward_coef == 0:
+        raise ValueError("distill.coef=0 and distill.reward_coef=0: no token gets a signal. Fix: "
+                         "distill.coef=1.0 (the teacher's), or distill.teacher='' (no teacher)")
+    if dynamic_sampling and cfg.reward_coef == 0:
+        raise ValueError("grpo.dynamic_sampling=true with distill.reward_coef=0: it drops the "
+                         "groups whose rewards are equal, which still carry the teacher's signal. "
+                         "Fix: grpo.dynamic_sampling=false, or distill.reward_coef > 0")
+
+
+def check_files(cfg: DistillConfig, student: str) -> None:
+    """The teacher's files against the student's (`student`: model.path), reading config.json and
+    the tokenizers, no weights: the same vocabulary and special tokens, and an output layer that
+    covers it. A one-line ValueError naming distill.teacher. A hub id is left to the loaders;
+    the path itself is `validate`'s."""
+    from transformers import AutoTokenizer
+
+    teacher = cfg.teacher
+    if not (teacher and os.path.isdir(teacher) and os.path.isdir(student)):
+        return
+    mine, theirs = (AutoTokenizer.from_pretrained(p) for p in (student, teacher))
+    if mine.get_vocab() != theirs.get_vocab():
+        raise ValueError(f"distill.teacher='{teacher}': its tokenizer's vocabulary differs from "
+                         f"model.path's ({len(theirs)} vs {len(mine)} tokens): the teacher must "
+                         "score the student's token ids. Fix: a teacher of the same tokenizer")
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ValueError(f"distill.teacher='{teacher}': its {name} is "
+                             f"{getattr(theirs, name)}, model.path's {getattr(mine, name)}. "
+                             "Fix: a teacher of the same tokenizer")
+    with open(os.path.join(teacher, "config.json")) as f:
+        text = json.load(f)
+    vocab = text.get("text_config", text).get("vocab_size", len(mine))
+    if vocab < len(mine):
+        raise ValueError(f"distill.teacher='{teacher}': its output layer has {vocab} rows for "
+                         f"{len(mine)} tokens. Fix: a teacher of the same tokenizer")
+
+
+def build_teacher(cfg: DistillConfig, model: fsdp_utils.ModelConfig, mesh) -> torch.nn.Module:
+    """The teacher: a frozen FSDP2 model sharded over `mesh` as the reference is (the actor's
+    model settings, its own path and dtype, no adapters), parked in host memory."""
+    spec = dataclasses.replace(model, path=cfg.teacher, lora=fsdp_utils.LoraConfig(),
+                               param_dtype=cfg.dtype or model.param_dtype)
+    return fsdp_utils.build_actor(spec, mesh, reference=True)
+
+
+def shard_bytes(model: torch.nn.Module) -> int:
+    """This rank's bytes of the model's parameters (its FSDP2 shards), wherever they are kept."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+               for p in model.parameters())
+
+
+def token_advantages(samples: list, adv: torch.Tensor, teacher_logp: list,
+                     cfg: DistillConfig) -> list:
+    """Each sample's per-token advantages, (n_i,) tensors: coef * (teacher - engine logprob) +
+    reward_coef * its group advantage adv[i], at every response token (the loss masks those an
+    environment wrote). fp32, or fp64 where the teacher's logprobs are (tests)."""
+    out = []
+    for s, a, t in zip(samples, adv.tolist(), teacher_logp):
+        engine = torch.tensor(s.logp, dtype=torch.float64)
+        x = cfg.coef * (t.double() - engine) + cfg.reward_coef * a
+        out.append(x.to(torch.promote_types(t.dtype, torch.float32)))
+    return out
+
+
+def advantages(teacher, samples: list, adv: torch.Tensor, cfg, pad_id: int,
+               device) -> tuple[list, dict]:
+    """The teacher's pass over this rank's `samples` and their per-token advantages
+    (`token_advantages`; adv: their group advantages), with its metrics: the mean reverse KL to
+    the teacher over the tokens the model wrote (distill_kl), the pass's seconds and this rank's
+    teacher bytes. cfg: the run's config tree. Every rank calls it (FSDP collectives)."""
+    t = time.perf_counter()
+    with fsdp_utils.reference(teacher):
+        teacher_logp = logprobs.sample_logprobs(teacher, samples, cfg.grpo, pad_id, device,
+                                                cfg.rollout.temperature)
+    seconds = time.perf_counter() - t
+    kl, tokens = 0.0, 0
+    for s, lp in zip(samples, teacher_logp):
+        mask = torch.ones(len(s.logp)) if s.mask is None else torch.tensor(s.mask, dtype=torch.float)
+        kl += float(((torch.tensor(s.logp, dtype=torch.float64) - lp.double()) * mask).sum())
+        tokens += int(mask.sum())
+    return (token_advantages(samples, adv, teacher_logp, cfg.distill),
+            {"distill_kl": tracking.Mean(kl, tokens), "teacher_time_s": seconds,
+             "teacher_gb": shard_bytes(teacher) / 2**30})
