@@ -79,7 +79,9 @@ def main():
         cmd = torchrun(args.nproc, ["--config", "configs/tiny_cpu.yaml"])
         print(f"the teacher {TEACHER} is missing; making it first:\n  "
               f"{' '.join(cmd[1:]).replace('-m torch.distributed.run', 'torchrun')}", flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+        made = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if made.returncode != 0:
+            sys.exit(f"the teacher's run failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
     print(f"{'run':<8} {'reached':>7} {'last_eval':>9} {'step_s':>7} {'teacher_s':>9} "
           f"{'wall_s':>7}", flush=True)
     found = {}
