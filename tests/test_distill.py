@@ -207,3 +207,30 @@ def test_with_episodes_tensor_parallel_partial_rollout_and_lora(tiny_task_dir, t
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3 and all(r["distill_kl"] > 0 and r["teacher_gb"] > 0 for r in rows)
     assert rows[0]["logp_gap"] < 1e-4  # then carried tokens come from older weights
+
+
+def test_per_token_advantages_train_as_per_sample_ones(models):
+    """grpo.update with a per-token advantage list whose tokens each carry their sample's
+    advantage takes the same steps as with the per-sample tensor: two epochs of two
+    mini-batches, the old policy recomputed, the off-policy mask on."""
+    student, _, _ = models
+    samples = make_samples(student, student.config.vocab_size)
+    adv = torch.tensor([0.5, -1.0, 0.0, 1.5, -0.25], dtype=torch.float64)
+    per_token = [torch.full((len(s.response_ids),), a) for s, a in zip(samples, adv.tolist())]
+    cfg = load_config(None, ["--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
+                             "--grpo.off_policy_delta=0.01"]).grpo
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    after = []
+    for a in (adv, per_token):
+        student.load_state_dict(start)
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+        metrics = grpo.update(student, None, opt, samples, a, cfg, pad_id=0, device="cpu", seed=1,
+                              temperature=1.0, max_len=16, grad_clip=1.0)
+        after.append(({k: v.clone() for k, v in student.state_dict().items()},
+                      metrics["off_policy_masked_frac"].total))
+    student.load_state_dict(start)
+    (one, dropped_one), (two, dropped_two) = after
+    assert dropped_one == dropped_two
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    assert any(not torch.equal(one[k], start[k]) for k in one)
