@@ -4,8 +4,9 @@ per-token advantage coef * (teacher - student) + reward_coef * A, and the studen
 -(1/N) sum over written tokens of A_t log p_t (on-policy, the surrogate's ratio is 1); and the
 checks the `distill:` section gets before any model loads.
 
-The teacher is a Qwen3 and the student a Qwen2 of the tiny task's tokenizer, both from config
-(tiny_task), the teacher built as the run builds it (FSDP2, parked in host memory) in fp64.
+The teacher is a Qwen3 twice the student's width and the student a Qwen2, of the tiny task's
+tokenizer, both from config, the teacher built as the run builds it (FSDP2, parked in host
+memory) in fp64.
 
 Tolerance: both sides compute fp64 logprobs of the same weights (packed and chunked against
 one plain forward: sums of at most a few hundred products of size < 10 in other orders, errors
@@ -59,18 +60,34 @@ def make_samples(student, vocab: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, world_of_one):
-    """(student: plain fp64 Qwen2, teacher: FSDP2 fp64 Qwen3 as distill.build_teacher makes it,
-    the teacher's weights as a plain fp64 model for the naive loop)."""
+def larger_teacher(tiny_models, tmp_path_factory):
+    """A random Qwen3 twice the tiny student's width and one layer deeper, with its tokenizer."""
+    from transformers import AutoConfig
+
+    path = tmp_path_factory.mktemp("teacher")
+    shutil.copytree(tiny_models["qwen3"], path, dirs_exist_ok=True)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.update(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=8, layer_types=["full_attention"] * 3))
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, larger_teacher, world_of_one):
+    """(student: plain fp64 Qwen2, teacher: a larger FSDP2 fp64 Qwen3 as distill.build_teacher
+    makes it, the teacher's weights as a plain fp64 model for the naive loop)."""
     attn = fsdp_utils.register_attention("sdpa")  # each packed sample's attention apart
     student = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float64,
                                                    attn_implementation=attn)
-    spec = fsdp_utils.ModelConfig(path=tiny_models["qwen3"], param_dtype="float64",
+    spec = fsdp_utils.ModelConfig(path=larger_teacher, param_dtype="float64",
                                   reduce_dtype="float64", attn_implementation="sdpa")
     mesh = init_device_mesh("cpu", (1,))
-    teacher = distill.build_teacher(distill.DistillConfig(teacher=tiny_models["qwen3"]), spec,
-                                    mesh)
-    plain = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float64)
+    teacher = distill.build_teacher(distill.DistillConfig(teacher=larger_teacher), spec, mesh)
+    plain = AutoModelForCausalLM.from_pretrained(larger_teacher, dtype=torch.float64)
+    assert plain.config.hidden_size == 2 * student.config.hidden_size
     return student, teacher, plain
 
 
@@ -170,17 +187,17 @@ def test_the_section_is_checked_before_any_model_loads(tiny_task_dir, tiny_model
 
 @pytest.mark.engine
 @pytest.mark.main_only  # the npu-stack lane runs the fp64 checks above
-def test_a_run_moves_the_student_toward_its_teacher(tiny_task_dir, tiny_models, tmp_path):
+def test_a_run_moves_the_student_toward_its_teacher(tiny_task_dir, larger_teacher, tmp_path):
     """2 ranks, pure distillation (distill.reward_coef 0) from an untrained teacher of another
-    architecture (the tiny Qwen3, same tokenizer): its reverse KL to the teacher, measured on
-    each step's own samples, falls to under half within 20 steps; the teacher's pass is timed
-    and its shards counted."""
+    architecture and twice the width (a random Qwen3, same tokenizer), sharded over both ranks:
+    the student's reverse KL to it, measured on each step's own samples, falls to under half
+    within 20 steps; the teacher's pass is timed and its shards counted."""
     from conftest import launch
 
     launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", "--train.steps=20",
             f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}",
             "--log.eval_every=0", "--grpo.prompts_per_step=16",
-            f"--distill.teacher={tiny_models['qwen3']}"], timeout=900)
+            f"--distill.teacher={larger_teacher}"], timeout=900)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     kl = [r["distill_kl"] for r in rows]
     assert sum(kl[-5:]) / 5 < 0.5 * sum(kl[:5]) / 5, kl
