@@ -348,8 +348,8 @@ def check_model(cfg) -> None:
     tokenizer's files, never the weights): rollout.max_model_len within the model's positions,
     a KV cache (rollout.kv_cache_memory_bytes) that holds one request of max_model_len tokens,
     a chat template where data.chat_template asks for one, and a teacher (distill.teacher) of
-    the same tokenizer. BadInput naming the field. A
-    model.path that is a hub id, not a directory, is left to the loaders."""
+    the same tokenizer. BadInput naming the field. A model.path that is a hub id, not a
+    directory, is left to the loaders."""
     path, r = cfg.model.path, cfg.rollout
     try:
         distill.check_files(cfg.distill, path)  # the teacher's tokenizer is the student's
