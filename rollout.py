@@ -18,6 +18,7 @@ Every call into vLLM's internals names the vLLM version and file it relies on; d
 holds the longer story of each (what was read, what was run, on which version).
 """
 
+import contextlib
 import logging
 import os
 import random
@@ -487,6 +488,41 @@ def _check_version() -> None:
         _check_version.logged = True
 
 
+@contextlib.contextmanager
+def _moe_prepacked_on_update():
+    """On CPU, a reload that also prepacks a mixture-of-experts layer's experts. vLLM 0.32 on
+    CPU prepacks w13/w2 into its grouped-GEMM layout after the first load (fused_moe/experts/
+    cpu_moe.py, CPUUnquantizedExperts.process_weights_after_loading), but on a weight update
+    UnquantizedFusedMoEMethod._setup_kernel skips that step (`is_weight_update`, fused_moe/
+    unquantized_fused_moe_method.py), and the layerwise reload then copies checkpoint-layout
+    values into the prepacked storage: the engine's experts were garbage after every push
+    (|engine - trainer| logprob 7 on a tiny Qwen3-MoE). Inside this block the step runs on
+    updates too. Elsewhere (an accelerator, a version without the method) it changes nothing."""
+    method = None
+    if npu_ops.device_type() == "cpu":
+        try:
+            from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
+            method = m.UnquantizedFusedMoEMethod
+        except ImportError:
+            pass
+    setup = getattr(method, "_setup_kernel", None)
+    if setup is None:
+        yield
+        return
+
+    def prepacked(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        setup(self, layer, w13, w2)
+        if update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    method._setup_kernel = prepacked
+    try:
+        yield
+    finally:
+        method._setup_kernel = setup
+
+
 def _reload_weights_in_place(llm, named_tensors) -> None:
     """The model runner's `reload_weights(weights_iterator=...)` copies each (checkpoint name,
     tensor) pair into the existing parameter storage, layer by layer, sharding for tensor
@@ -500,7 +536,7 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
     _check_version()
 
     def load(worker, weights):  # runs on this process's worker (the wrapper forwards attributes)
-        with set_current_vllm_config(worker.vllm_config):
+        with set_current_vllm_config(worker.vllm_config), _moe_prepacked_on_update():
             worker.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     llm.collective_rpc(load, kwargs={"weights": named_tensors})

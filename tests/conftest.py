@@ -133,11 +133,14 @@ def tiny_task_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_models(tiny_task_dir, tmp_path_factory):
-    """{"qwen2": model dir, "qwen3": model dir}, same tokenizer."""
+    """{"qwen2": model dir, "qwen3": model dir, "qwen3_moe": model dir}, same tokenizer."""
     import tiny_task
 
     qwen3 = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny3") / "task"), arch="qwen3")
-    return {"qwen2": f"{tiny_task_dir}/model", "qwen3": f"{qwen3}/model"}
+    moe = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tinymoe") / "task"),
+                                     arch="qwen3_moe")
+    return {"qwen2": f"{tiny_task_dir}/model", "qwen3": f"{qwen3}/model",
+            "qwen3_moe": f"{moe}/model"}
 
 
 def crashed_copy(run_dir, crashed_dir, step: int) -> None:
