@@ -52,6 +52,8 @@ class DataConfig:
     max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
     # if set: create the built-in tiny model + prompts here if missing
     tiny_task_dir: Annotated[str, Anything("any directory path: created if missing")] = ""
+    # the tiny model's family when tiny_task_dir is created (tiny_task.build_tiny_model)
+    tiny_task_arch: Annotated[str, OneOf("qwen2", "qwen3", "qwen3_moe")] = "qwen2"
 
 
 

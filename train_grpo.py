@@ -229,7 +229,7 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
 
     if cfg.data.tiny_task_dir:
         if rank == 0:
-            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir)
+            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir, arch=cfg.data.tiny_task_arch)
         dist.barrier()
     config.validate(cfg, world)
     config.check_model(cfg)

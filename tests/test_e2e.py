@@ -261,3 +261,21 @@ def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path
     assert all(r["logp_gap"] < 1e-4 for r in rows) and "eval_pass1" in rows[-1]
     assert all(r["adv_batch_std"] >= 0 for r in rows)  # GDPO's batch: the engine's, once
     assert rows[0]["turns_mean"] > 1.5  # the replies (rank 0's) were taken: a second turn
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # vLLM 0.32's mixture-of-experts reload (rollout._moe_prepacked_on_update)
+def test_a_mixture_of_experts_trains(tmp_path):
+    """configs/moe_cpu.yaml, shortened: the run creates its tiny Qwen3-MoE task, and every
+    step's engine logprobs equal the trainer's (the experts pushed in place each step), as the
+    dense model's do, while the reward rises."""
+    task, out_dir = tmp_path / "task", tmp_path / "run"
+    launch(["train_grpo.py", "--config", "configs/moe_cpu.yaml", "--train.steps=40",
+            f"--data.tiny_task_dir={task}", f"--log.out_dir={out_dir}", "--log.eval_every=0"],
+           timeout=900)
+    assert json.load(open(task / "model" / "config.json"))["model_type"] == "qwen3_moe"
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    assert all(r["logp_gap"] < 1e-4 for r in rows), [r["logp_gap"] for r in rows]
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > 2 * first, (first, last)
