@@ -35,6 +35,7 @@ from typing import Annotated
 import torch
 
 import fsdp_utils
+import grpo
 import logprobs
 import tracking
 from domains import Anything, OneOf, Range
@@ -143,11 +144,11 @@ def advantages(teacher, samples: list, adv: torch.Tensor, cfg, pad_id: int,
         teacher_logp = logprobs.sample_logprobs(teacher, samples, cfg.grpo, pad_id, device,
                                                 cfg.rollout.temperature)
     seconds = time.perf_counter() - t
-    kl, tokens = 0.0, 0
-    for s, lp in zip(samples, teacher_logp):
-        mask = torch.ones(len(s.logp)) if s.mask is None else torch.tensor(s.mask, dtype=torch.float)
-        kl += float(((torch.tensor(s.logp, dtype=torch.float64) - lp.double()) * mask).sum())
-        tokens += int(mask.sum())
+    engine = grpo.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
+                                    for s in samples])  # the model's tokens only
+    taught = grpo.written(samples, teacher_logp)
+    kl = sum(float((e.double() - lp.double()).sum()) for e, lp in zip(engine, taught))
+    tokens = sum(len(e) for e in engine)
     return (token_advantages(samples, adv, teacher_logp, cfg.distill),
             {"distill_kl": tracking.Mean(kl, tokens), "teacher_time_s": seconds,
              "teacher_gb": shard_bytes(teacher) / 2**30})

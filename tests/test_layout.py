@@ -31,7 +31,7 @@ ALLOWED = {
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
     # on-policy distillation: the teacher, its pass, per-token advantages
-    "distill": {"fsdp_utils", "logprobs", "tracking", "domains"},
+    "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
