@@ -13,12 +13,21 @@ back at the end). Each token the model wrote gets the advantage
 
 with logp_student the engine's logprob of the token (the policy that sampled it): the
 sampled-token estimate of -KL(student || teacher), the reverse KL, which the student lowers by
-raising the tokens the teacher likes more than it does. Both logprobs are of softmax(logits /
-rollout.temperature). A_group is GRPO's advantage of the sample (grpo.score); reward_coef 0 is
-pure distillation, where the rewards are still computed and logged. The loss is grpo.grpo_loss,
-unchanged: its advantages arrive per token (grpo.accumulate_gradients takes either), so the
-surrogate, the mismatch correction and the masks apply as to GRPO's; tokens an environment wrote
-get no loss, as always.
+raising the tokens the teacher likes more than it does (distill.loss: reverse_sampled). Both
+logprobs are of softmax(logits / rollout.temperature). A_group is GRPO's advantage of the sample
+(grpo.score); reward_coef 0 is pure distillation, where the rewards are still computed and
+logged. The loss is grpo.grpo_loss, unchanged: its advantages arrive per token
+(grpo.accumulate_gradients takes either), so the surrogate, the mismatch correction and the
+masks apply as to GRPO's; tokens an environment wrote get no loss, as always.
+
+distill.loss: forward_top_k uses the teacher's whole distribution at each position the student
+visited, known by its top_k tokens: the pass keeps each token's k likeliest tokens and their
+logprobs, and the loss adds coef * KL(teacher || student) over those k tokens and one bucket for
+the rest (logprobs.top_k_forward_kl, inside the fused pass over the vocabulary), weighed as each
+token's other terms; the sampled-token advantage is then reward_coef * A_group alone. It is the
+supervised signal of GKD's on-policy forward KL: every token the teacher likes gets pulled up at
+once, not only the one sampled. On the tiny task it reached the target in far fewer steps than
+reverse_sampled, whose estimate moves one sampled token at a time (docs/distillation.md).
 
 With LoRA the teacher stays whole (only the student has adapters); with partial rollout a carried
 token's logp_student is that of the version that wrote it; at rollout.tp_size > 1 each rank
@@ -48,7 +57,11 @@ class DistillConfig:
     # the teacher: a model directory (or hub id) with the student's tokenizer; "": no teacher
     teacher: Annotated[str, Anything("distill.validate: a directory with config.json, or a hub "
                                      "id", refused=("no/such/dir/x",))] = ""
+    # reverse_sampled: the per-token advantage coef * (teacher - student logprob of the sampled
+    # token); forward_top_k: coef * the forward KL to the teacher's top_k tokens, in the loss
+    loss: Annotated[str, OneOf("reverse_sampled", "forward_top_k")] = "reverse_sampled"
     coef: Annotated[float, Range(0)] = 1.0  # the weight of the teacher's per-token signal
+    top_k: Annotated[int, Range(1)] = 32  # forward_top_k: the teacher's tokens kept per token
     # the weight of GRPO's group advantage beside it: 0, pure distillation
     reward_coef: Annotated[float, Range(0)] = 0.0
     # the teacher's compute dtype; "": model.param_dtype
@@ -124,31 +137,36 @@ def token_advantages(samples: list, adv: torch.Tensor, teacher_logp: list,
                      cfg: DistillConfig) -> list:
     """Each sample's per-token advantages, (n_i,) tensors: coef * (teacher - engine logprob) +
     reward_coef * its group advantage adv[i], at every response token (the loss masks those an
-    environment wrote). fp32, or fp64 where the teacher's logprobs are (tests)."""
-    out = []
+    environment wrote); forward_top_k: the second term alone (the teacher's is in the loss).
+    fp32, or fp64 where the teacher's logprobs are (tests)."""
+    out, coef = [], cfg.coef if cfg.loss == "reverse_sampled" else 0.0
     for s, a, t in zip(samples, adv.tolist(), teacher_logp):
         engine = torch.tensor(s.logp, dtype=torch.float64)
-        x = cfg.coef * (t.double() - engine) + cfg.reward_coef * a
+        x = coef * (t.double() - engine) + cfg.reward_coef * a
         out.append(x.to(torch.promote_types(t.dtype, torch.float32)))
     return out
 
 
 def advantages(teacher, samples: list, adv: torch.Tensor, cfg, pad_id: int,
-               device) -> tuple[list, dict]:
-    """The teacher's pass over this rank's `samples` and their per-token advantages
-    (`token_advantages`; adv: their group advantages), with its metrics: the mean reverse KL to
-    the teacher over the tokens the model wrote (distill_kl), the pass's seconds and this rank's
-    teacher bytes. cfg: the run's config tree. Every rank calls it (FSDP collectives)."""
-    t = time.perf_counter()
+               device) -> tuple[list, grpo.TeacherTopK | None, dict]:
+    """The teacher's pass over this rank's `samples`: their per-token advantages
+    (`token_advantages`; adv: their group advantages); with distill.loss forward_top_k, the
+    teacher's top k for the loss's forward KL (grpo.TeacherTopK), else None; and its metrics:
+    the mean reverse KL to the teacher over the tokens the model wrote (distill_kl, the sampled
+    estimate in either mode), the pass's seconds and this rank's teacher bytes. cfg: the run's
+    config tree. Every rank calls it (FSDP collectives)."""
+    t, d = time.perf_counter(), cfg.distill
+    k = d.top_k if d.loss == "forward_top_k" else 0
     with fsdp_utils.reference(teacher):
-        teacher_logp = logprobs.sample_logprobs(teacher, samples, cfg.grpo, pad_id, device,
-                                                cfg.rollout.temperature)
+        teacher_logp, top_logp, top_ids = logprobs.sample_top_k(
+            teacher, samples, cfg.grpo, pad_id, device, cfg.rollout.temperature, k)
     seconds = time.perf_counter() - t
     engine = grpo.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
                                     for s in samples])  # the model's tokens only
     taught = grpo.written(samples, teacher_logp)
     kl = sum(float((e.double() - lp.double()).sum()) for e, lp in zip(engine, taught))
     tokens = sum(len(e) for e in engine)
-    return (token_advantages(samples, adv, teacher_logp, cfg.distill),
+    return (token_advantages(samples, adv, teacher_logp, d),
+            grpo.TeacherTopK(top_ids, top_logp, d.coef) if k else None,
             {"distill_kl": tracking.Mean(kl, tokens), "teacher_time_s": seconds,
              "teacher_gb": shard_bytes(teacher) / 2**30})

@@ -301,6 +301,9 @@ class Tokens:
     ref: torch.Tensor | None = None  # the reference's logprob, for the KL term; None: no KL
     seq_ratio: torch.Tensor | None = None  # gspo: its sequence's ratio to the old policy
     seq_keep: torch.Tensor | None = None  # off_policy_delta: 0 where its response is masked
+    top_ids: torch.Tensor | None = None  # (K, k) a teacher's k likeliest tokens (TeacherTopK)
+    top_logp: torch.Tensor | None = None  # (K, k) the teacher's logprobs of them
+    top_coef: torch.Tensor | None = None  # the forward KL's weight: coef x TeacherTopK.coef
 
     def __getitem__(self, k: slice) -> "Tokens":
         return Tokens(**{name: None if v is None else v[k] for name, v in vars(self).items()})
@@ -485,12 +488,27 @@ def score(rollout, cfg: GRPOConfig, group, limit: int, drop: bool, weights: list
 # runs FSDP collectives, so every rank calls it, with its own share of the samples (possibly none).
 
 
+@dataclass
+class TeacherTopK:
+    """A teacher's distribution at each response token, as its k likeliest tokens: per sample,
+    (n_i, k) token ids and the teacher's logprobs of them (distill.py, distill.loss:
+    forward_top_k). The loss adds coef times the forward KL from it to the policy at each token
+    the model wrote, weighed as the token's other terms are (logprobs.top_k_forward_kl)."""
+    ids: list
+    logp: list
+    coef: float
+
+    def of(self, idx: list) -> "TeacherTopK":
+        """Those of the samples idx."""
+        return TeacherTopK([self.ids[i] for i in idx], [self.logp[i] for i in idx], self.coef)
+
+
 def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_tokens: float,
-                 n_seqs: float, max_len: int) -> Tokens:
+                 n_seqs: float, max_len: int, teacher: TeacherTopK | None = None) -> Tokens:
     """The loss's inputs for each of a micro-batch's K response tokens, on the host, in mb's
     order: from the samples, their advantages (`adv`: one per sample, or a list of per-token
-    tensors) and, when given, the old and reference logprobs (per-sample lists); with the old
-    logprobs, the mismatch weights from them."""
+    tensors) and, when given, the old and reference logprobs (per-sample lists) and a teacher's
+    top k; with the old logprobs, the mismatch weights from them."""
     def cat(lists):
         return torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in lists])
 
@@ -505,6 +523,9 @@ def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_to
                                                cfg.is_correction, cfg.is_cap, cfg.is_cap_low))
     if ref_logp is not None:
         t.ref = cat(ref_logp)
+    if teacher is not None:
+        t.top_ids, t.top_logp = torch.cat(teacher.ids), torch.cat(teacher.logp)
+        t.top_coef = t.coef * teacher.coef
     return t
 
 
@@ -526,11 +547,16 @@ def off_policy_keep(logp, engine_logp, mask, adv, delta: float):
 
 def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
-    k (a slice of K); and first(logp), when the loss needs whole sequences of this forward's
-    logp before any gradient, else None: the mismatch weights of on-policy seq_mask, and gspo's
-    sequence ratios off-policy (on-policy each is exactly 1: no pass)."""
+    k (a slice of K); first(logp), when the loss needs whole sequences of this forward's logp
+    before any gradient, else None: the mismatch weights of on-policy seq_mask, and gspo's
+    sequence ratios off-policy (on-policy each is exactly 1: no pass); and dense(logp_all, p, k),
+    the forward KL to a teacher's top k (t.top_ids), else None."""
     def loss_fn(logp, k):
         return grpo_loss(logp, t[k], cfg)
+
+    def dense(logp_all, p, k):
+        return logprobs.top_k_forward_kl(logp_all, p, t.top_ids[k], t.top_logp[k],
+                                         t.top_coef[k])
 
     weights_first = t.old is None and cfg.is_correction in SEQ_IS_MODES
     ratios_first = cfg.policy_loss == "gspo" and t.old is not None
@@ -551,15 +577,17 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
                                    mb.padded(t.adv).sum(1, keepdim=True), cfg.off_policy_delta)
             t.seq_keep = mb.flat(keep.expand_as(mb.mask))
 
-    return loss_fn, first if weights_first or ratios_first or keep_first else None
+    return (loss_fn, first if weights_first or ratios_first or keep_first else None,
+            dense if t.top_ids is not None else None)
 
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
                          cfg: GRPOConfig, pad_id: int, device, temperature: float,
-                         max_len: int) -> tuple[list, dict]:
+                         max_len: int, teacher: TeacherTopK | None = None) -> tuple[list, dict]:
     """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
     actor. adv: each sample's advantage (n,), or each one's per-token advantages, a list of
-    (n_i,) tensors (distill.py). old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
+    (n_i,) tensors (distill.py); teacher: a forward KL term to a teacher's top k, or None.
+    old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
     Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
     metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
     temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
@@ -578,7 +606,8 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                     for lp in (old_logp, ref_logp))
         mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config)
         t = token_inputs(batch, mb, samples_of(adv, idx) if idx else torch.zeros(1), old, ref,
-                         cfg, n_tokens, n_seqs, max_len)
+                         cfg, n_tokens, n_seqs, max_len,
+                         teacher.of(idx) if teacher is not None and idx else None)
         mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
         out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
         logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
@@ -612,13 +641,14 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
 
 def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *,
            pad_id: int, device, seed: int, temperature: float, max_len: int,
-           grad_clip: float) -> dict:
+           grad_clip: float, teacher: TeacherTopK | None = None) -> dict:
     """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
     optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
-    the engine's sampling temperature and max_new_tokens. Returns the update's metrics
-    (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with a reference, the
-    mean grad norm, logprobs_time_s (the old-policy and reference passes), trained_tokens and
-    trained_rows (the tokens the passes took, and the output layer's rows among them)."""
+    the engine's sampling temperature and max_new_tokens; `teacher`, a forward KL term to a
+    teacher's top k (distill.py). Returns the update's metrics (tracking.reduce): entropy,
+    clip_frac, the engine/trainer mismatch, kl with a reference, the mean grad norm,
+    logprobs_time_s (the old-policy and reference passes), trained_tokens and trained_rows (the
+    tokens the passes took, and the output layer's rows among them)."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     t = time.perf_counter()
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
@@ -638,13 +668,11 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
         for part in split_mini_batches(len(samples), cfg.mini_batches, shuffle):
             old, ref_lp = ([lp[i] for i in part] if lp is not None else None
                            for lp in (old_logp, ref_logp))
-            logp, stats = accumulate_gradients(actor, [samples[i] for i in part],
-                                               samples_of(adv, part), old, ref_lp, cfg, pad_id,
-                                               device, temperature, max_len)
-            if old_logp is None:  # on-policy: the single forward saw the sampling policy
-                old_logp = [None] * len(samples)
-                for k, i in enumerate(part):
-                    old_logp[i] = logp[k]
+            logp, stats = accumulate_gradients(
+                actor, [samples[i] for i in part], samples_of(adv, part), old, ref_lp, cfg,
+                pad_id, device, temperature, max_len, teacher and teacher.of(part))
+            if old_logp is None:  # on-policy: the one forward (part: every sample, shuffled)
+                old_logp = [lp for _, lp in sorted(zip(part, logp), key=lambda x: x[0])]
             clipped += stats["clipped"]
             loss_tokens += sum(samples[i].model_tokens for i in part)
             if epoch == 0:  # entropy of the policy as it meets this rollout

@@ -199,23 +199,53 @@ def _logits(h, weight, bias, temperature: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int) -> torch.Tensor:
-    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets."""
+def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: int = 0):
+    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets; with top_k > 0,
+    (that, (K, k) the k largest logprobs of each row, (K, k) their token ids)."""
     out = torch.empty(h.shape[0], dtype=_wide(h.dtype), device=h.device)
+    k = min(top_k, weight.shape[0])
+    top = torch.empty(h.shape[0], k, dtype=out.dtype, device=h.device)
+    ids = torch.empty(h.shape[0], k, dtype=torch.long, device=h.device)
     for s in range(0, h.shape[0], chunk):
         logp = _logits(h[s:s + chunk], weight, bias, temperature).log_softmax(-1)  # (c, V)
         out[s:s + chunk] = logp.gather(1, targets[s:s + chunk, None])[:, 0]
-    return out
+        if k:
+            torch.topk(logp, k, dim=1, out=(top[s:s + chunk], ids[s:s + chunk]))
+    return (out, top, ids) if top_k else out
 
 
-def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, rows: slice):
+def top_k_forward_kl(logp_all, p, ids, target, coef):
+    """The forward KL from a target distribution known by its top k tokens to this pass's, per
+    row of a chunk: sum over the k tokens of t (log t - log p), plus the target's remaining mass
+    against the pass's mass on every other token (one bucket), so it is a true KL (0 only where
+    the two agree on the k tokens and on the rest; with k = V, the full one).
+
+    logp_all, p (c, V): the pass's log softmax and softmax; ids, target (c, k): the k token ids
+    and the target's logprobs of them; coef (c,): each row's weight. Returns the chunk's sum of
+    coef * KL (0-dim) and its gradient with respect to the logits the softmax took (c, V):
+    coef * (p - t on the k ids - t_rest * p / p_rest off them). One more (c, V) buffer."""
+    t = target.exp()  # (c, k)
+    rest_t = (1 - t.sum(1)).clamp(min=0)  # (c,) the target's mass off its k tokens
+    g = p.clone().scatter_(1, ids, 0)  # (c, V) the pass's probabilities off the k tokens
+    rest = g.sum(1).clamp(min=torch.finfo(g.dtype).tiny)  # (c,)
+    kl = (t * (target - logp_all.gather(1, ids))).sum(1) \
+        + torch.xlogy(rest_t, rest_t) - torch.xlogy(rest_t, rest)
+    g.mul_((-rest_t / rest)[:, None]).add_(p).scatter_add_(1, ids, -t)
+    return kl @ coef.to(kl.dtype), g.mul_(coef.to(g.dtype)[:, None])
+
+
+def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, rows: slice,
+                dense=None):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
     softmax(logits / T) over the chunk's rows where `written` (c,) is 1, the chunk's loss and
-    clip count from loss_fn(logp, rows), and dL/dlogits (c, V) in the compute dtype."""
+    clip count from loss_fn(logp, rows) (plus dense's loss), and dL/dlogits (c, V) in the compute
+    dtype. dense(logp_all, p, rows), if given, is a term of the whole distribution (c, V): it
+    returns its loss and its gradient with respect to logits / T (top_k_forward_kl)."""
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
     logp_all = z.log_softmax(-1)  # (c, V)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
     p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
+    extra, g = dense(logp_all, p, rows) if dense is not None else (0.0, None)
     entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
     del logp_all
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
@@ -226,7 +256,9 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, 
     dlogp = dlogp / temperature  # (c,)
     dz = p.mul_(-dlogp[:, None])  # (c, V), in p's memory
     dz.scatter_add_(1, targets[:, None], dlogp[:, None])
-    return logp, entropy, loss.detach(), clipped, dz.to(h.dtype)
+    if g is not None:
+        dz.add_(g, alpha=1 / temperature)
+    return logp, entropy, loss.detach() + extra, clipped, dz.to(h.dtype)
 
 
 class _FusedOutputLayer(torch.autograd.Function):
@@ -237,7 +269,7 @@ class _FusedOutputLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
-                loss_fn, first, out: dict):
+                loss_fn, first, dense, out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.flat(mb.mask)  # (K,)
@@ -252,7 +284,8 @@ class _FusedOutputLayer(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             k = slice(s, s + chunk)
             logp, entropy, loss, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                           written[k], temperature, loss_fn, k)
+                                                           written[k], temperature, loss_fn, k,
+                                                           dense)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
@@ -273,27 +306,31 @@ class _FusedOutputLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
-        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 6
+        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 7
 
 
-def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, first=None) -> dict:
+def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, first=None,
+        dense=None, top_k: int = 0) -> dict:
     """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
-    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature) (detached).
-    With loss_fn(logp (c,), rows: slice of K) -> (loss, clip count), a sum of per-token terms:
-    also "loss" (0-dim; its backward() runs the model's backward), "entropy" and "clipped" (0-dim
-    sums over the K tokens, on the device). first(logp (K,)), if given, sees every token's logp
-    (no gradient) before the gradient pass: one more pass over the vocabulary, for a loss that
-    needs whole sequences first."""
+    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature) (detached);
+    without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
+    likely tokens. With loss_fn(logp (c,), rows: slice of K) -> (loss, clip count), a sum of
+    per-token terms: also "loss" (0-dim; its backward() runs the model's backward), "entropy" and
+    "clipped" (0-dim sums over the K tokens, on the device). first(logp (K,)), if given, sees
+    every token's logp (no gradient) before the gradient pass: one more pass over the
+    vocabulary, for a loss that needs whole sequences first. dense: a loss term of each token's
+    whole distribution (_chunk_grad)."""
     head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
         if loss_fn is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            out["logp"] = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
-                                     mb.targets, temperature, chunk)
+            found = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
+                               mb.targets, temperature, chunk, top_k)
+            out.update(zip(("logp", "top_logp", "top_ids"), found) if top_k else [("logp", found)])
             return out["logp"]
         return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
-                                       loss_fn, first, out)
+                                       loss_fn, first, dense, out)
 
     head.forward = types.MethodType(forward, head)
     try:
@@ -337,8 +374,8 @@ def fsdp_param_groups(unit) -> list:
 
 
 def per_sample(found: list, n: int) -> list:
-    """[(sample indices, (K,) logp on the device, response lengths)], one entry per micro-batch
-    -> n (n_i,) fp32 host tensors, one per sample, from one copy off the device."""
+    """[(sample indices, (K, ...) values on the device, response lengths)], one entry per
+    micro-batch -> n (n_i, ...) host tensors, one per sample, from one copy off the device."""
     out = [torch.zeros(0)] * n
     if not found:
         return out
@@ -353,10 +390,22 @@ def per_sample(found: list, n: int) -> list:
 def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature: float) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
     (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
+    return sample_top_k(model, samples, cfg, pad_id, device, temperature, 0)[0]
+
+
+@torch.no_grad()
+def sample_top_k(model, samples: list, cfg, pad_id: int, device, temperature: float,
+                 k: int) -> tuple:
+    """sample_logprobs, and with k > 0 at each response token the k most likely tokens too:
+    (logprobs, their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors,
+    each from one read back (three with k > 0)."""
     model.eval()
-    found = []
+    found = {name: [] for name in ("logp", "top_logp", "top_ids")}
     for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, model.config):
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config), device)
-        found.append((idx, run(model, mb, temperature, cfg.logprob_chunk)["logp"], mb.lengths))
-    return per_sample(found, len(samples))
+        out = run(model, mb, temperature, cfg.logprob_chunk, top_k=k)
+        for name, x in out.items():
+            found[name].append((idx, x, mb.lengths))
+    return tuple(per_sample(x, len(samples)) if name == "logp" or k else None
+                 for name, x in found.items())

@@ -349,15 +349,15 @@ def train_step(run: Run, return_rollout: bool = False):
     samples = partial.for_update([ro.samples[i] for i in mine], step - 1,
                                  cfg.rollout.partial.stale)
     adv = torch.tensor(scored.adv)[mine]
-    pad, device, taught = run.tokenizer.pad_token_id or 0, npu_ops.local_device(), {}
+    pad, device, top, taught = run.tokenizer.pad_token_id or 0, npu_ops.local_device(), None, {}
     if run.teacher is not None:  # on-policy distillation: per-token advantages (distill.py)
         with torch.profiler.record_function("step:teacher"):
-            adv, taught = distill.advantages(run.teacher, samples, adv, cfg, pad, device)
+            adv, top, taught = distill.advantages(run.teacher, samples, adv, cfg, pad, device)
     with torch.profiler.record_function("step:train"):
         update = grpo.update(run.actor, run.ref, run.opt, samples, adv, cfg.grpo, pad_id=pad,
                              device=device, temperature=cfg.rollout.temperature,
                              max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
-                             seed=rollout.seed_from(cfg.train.seed, step, run.rank))
+                             seed=rollout.seed_from(cfg.train.seed, step, run.rank), teacher=top)
     run.sched.step()
     run.step = step
     # the passes before the update's own: the old policy's and the reference's, the teacher's

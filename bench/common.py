@@ -1,5 +1,6 @@
 """Random-init Qwen2 checkpoints for the benchmarks: built from a config, no download; `timed`,
-how the benchmarks time a call; and `profiled`, what one call did on the device, in counts.
+how the benchmarks time a call; `profiled`, what one call did on the device, in counts; and
+`train_until`, one training run of the real trainer, ended early once it has shown enough.
 
 `SHAPES` names real models' shapes (and a tiny one for CPU checks); `random_qwen2` writes one
 (fp32 weights, the tiny task's tokenizer, padded with extra tokens to the model's vocabulary so
@@ -8,7 +9,9 @@ every id the engine samples decodes) once under the temp dir, and returns its di
 
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,3 +131,28 @@ def profiled(fn, path: str, rows: int = 40) -> dict:
         f.write(averages.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
         f.write(json.dumps(counts) + "\n")
     return counts
+
+
+def read_rows(path: str) -> list:
+    """The rows of a metrics.jsonl written so far (a line not yet ended is left out)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def train_until(cmd: list, log_path: str, env: dict, stop=None):
+    """Run one training (`cmd`, from the project's root), its output into log_path; with
+    stop(), end it (torchrun and its ranks: a session of their own) as soon as stop() is true,
+    asked every 2 s. Returns None, or the failure's text."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        while proc.poll() is None:
+            time.sleep(2)
+            if stop is not None and stop():
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+                return None
+    return f"exit {proc.returncode}; its output: {log_path}" if proc.returncode else None

@@ -1,40 +1,35 @@
 """How many steps on-policy distillation saves: the tiny task's random student trained by GRPO
-(configs/tiny_cpu.yaml) and by a teacher's logprobs (configs/distill_cpu.yaml), from the same
-initial weights at the same seed, each until its greedy eval reaches --target.
+(configs/tiny_cpu.yaml), by a teacher's top k (configs/distill_cpu.yaml, distill.loss
+forward_top_k) and by the sampled-token reverse KL (the same with distill.loss reverse_sampled),
+from the same initial weights at the same seed, each until its greedy eval reaches --target.
 
     python bench/distill.py                 # 2 ranks; stops each run at the target
     python bench/distill.py --full          # each run to its configured steps
 
 The teacher, runs/tiny_cpu/final, is the README's first run; if it is missing it is made first
-(the command is printed). Both runs evaluate every --eval-every steps (`log.eval_every`). Prints
+(the command is printed). The runs evaluate every --eval-every steps (`log.eval_every`). Prints
 one line per run (the first step whose eval_pass1 >= target, or "-", the last eval, the mean
-per-step time, wall time) and their ratio.
+per-step time and teacher time, wall time) and each distillation's ratio to GRPO.
 """
 
 import argparse
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
+from common import read_rows, train_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEACHER = "runs/tiny_cpu/final"
+RUNS = (("grpo", "configs/tiny_cpu.yaml", []),
+        ("distill", "configs/distill_cpu.yaml", []),  # distill.loss: forward_top_k
+        ("reverse", "configs/distill_cpu.yaml", ["--distill.loss=reverse_sampled"]))
 
 
 def torchrun(nproc: int, args: list) -> list:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             "train_grpo.py", *args]
-
-
-def evals(path: str) -> list:
-    """[(step, eval_pass1, step_time_s)] of the eval rows of a metrics.jsonl written so far."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.endswith("\n")]
-    return [(r["step"], r["eval_pass1"], r["step_time_s"]) for r in rows if "eval_pass1" in r]
 
 
 def run(name: str, cmd: list, out: str, target: float, full: bool, env: dict) -> dict:
@@ -44,23 +39,14 @@ def run(name: str, cmd: list, out: str, target: float, full: bool, env: dict) ->
         os.remove(metrics)
     os.makedirs(out, exist_ok=True)
     t = time.time()
-    with open(os.path.join(out, "bench.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(2)
-            if not full and any(e >= target for _, e, _ in evals(metrics)):
-                os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its ranks
-                proc.wait()
-                break
-        else:
-            if proc.returncode != 0:
-                sys.exit(f"{name}: exit {proc.returncode}; its output: {log.name}")
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f if line.endswith("\n")]
-    found = evals(metrics)
-    reached = next((step for step, e, _ in found if e >= target), None)
-    return {"reached": reached, "last_eval": found[-1][1] if found else float("nan"),
+    evals = lambda: [r for r in read_rows(metrics) if "eval_pass1" in r]  # noqa: E731
+    error = train_until(cmd, os.path.join(out, "bench.log"), env,
+                        None if full else lambda: any(r["eval_pass1"] >= target for r in evals()))
+    if error:
+        sys.exit(f"{name}: {error}")
+    rows, found = read_rows(metrics), evals()
+    reached = next((r["step"] for r in found if r["eval_pass1"] >= target), None)
+    return {"reached": reached, "last_eval": found[-1]["eval_pass1"] if found else float("nan"),
             "step_s": sum(r["step_time_s"] for r in rows) / len(rows),
             "teacher_s": sum(r.get("teacher_time_s", 0.0) for r in rows) / len(rows),
             "wall_s": time.time() - t}
@@ -85,16 +71,18 @@ def main():
     print(f"{'run':<8} {'reached':>7} {'last_eval':>9} {'step_s':>7} {'teacher_s':>9} "
           f"{'wall_s':>7}", flush=True)
     found = {}
-    for name, config in (("grpo", "configs/tiny_cpu.yaml"), ("distill", "configs/distill_cpu.yaml")):
+    for name, config, extra in RUNS:
         out = os.path.join(args.out, name)
         cmd = torchrun(args.nproc, ["--config", config, f"--log.out_dir={out}",
-                                    f"--log.eval_every={args.eval_every}"])
+                                    f"--log.eval_every={args.eval_every}", *extra])
         r = found[name] = run(name, cmd, out, args.target, args.full, env)
         print(f"{name:<8} {r['reached'] if r['reached'] else '-':>7} {r['last_eval']:9.3f} "
               f"{r['step_s']:7.3f} {r['teacher_s']:9.3f} {r['wall_s']:7.0f}", flush=True)
-    grpo, dist = found["grpo"]["reached"], found["distill"]["reached"]
-    if grpo and dist:
-        print(f"steps to eval {args.target}: distill / grpo = {dist} / {grpo} = {dist / grpo:.2f}")
+    grpo = found["grpo"]["reached"]
+    for name in ("distill", "reverse"):
+        if grpo and found[name]["reached"]:
+            print(f"steps to eval {args.target}: {name} / grpo = {found[name]['reached']} / "
+                  f"{grpo} = {found[name]['reached'] / grpo:.2f}")
 
 
 if __name__ == "__main__":

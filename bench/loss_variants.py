@@ -17,13 +17,12 @@ reaches the target (its last-10 and eval columns are then those of that moment).
 """
 
 import argparse
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
+
+from common import read_rows, train_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,35 +61,6 @@ def reached(rows: list, target: float):
     return None
 
 
-def read_rows(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def run(cmd: list, out: str, env: dict, target: float, until_reached: bool):
-    """Run one training; with until_reached, end it once `target` is reached. Returns (rows,
-    error text or None)."""
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    log = open(os.path.join(os.path.dirname(out), f"{os.path.basename(out)}.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    while proc.poll() is None:
-        time.sleep(2)
-        if until_reached and reached(read_rows(metrics), target) is not None:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its ranks: a session of their own
-            proc.wait()
-            log.close()
-            return read_rows(metrics), None
-    log.close()
-    if proc.returncode != 0:
-        return [], f"exit {proc.returncode}; its output: {log.name}"
-    return read_rows(metrics), None
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300)
@@ -113,9 +83,13 @@ def main():
                    "train_grpo.py", "--config", "configs/tiny_cpu.yaml",
                    f"--train.steps={args.steps}", f"--train.seed={seed}", f"--rollout.seed={seed}",
                    f"--log.out_dir={out}", *VARIANTS[name]]
+            metrics = os.path.join(out, "metrics.jsonl")
+            if os.path.exists(metrics):
+                os.remove(metrics)
             t = time.time()
-            rows, error = run(cmd, out, env, args.target, args.until_reached)
-            wall = time.time() - t
+            stop = lambda: reached(read_rows(metrics), args.target) is not None  # noqa: E731
+            error = train_until(cmd, f"{out}.log", env, stop if args.until_reached else None)
+            rows, wall = read_rows(metrics), time.time() - t
             if error or not rows:
                 print(f"{name:<13} {seed:>4} failed ({error or 'no metrics'})", flush=True)
                 continue

@@ -99,7 +99,8 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
     cfg = load_config(None, ["--rollout.temperature=0.7", f"--distill.coef={coef}",
                              f"--distill.reward_coef={reward_coef}", "--grpo.is_correction=none",
                              "--grpo.micro_batch_tokens=24", "--grpo.logprob_chunk=8"])
-    adv, metrics = distill.advantages(teacher, samples, group_adv, cfg, 0, "cpu")
+    adv, top, metrics = distill.advantages(teacher, samples, group_adv, cfg, 0, "cpu")
+    assert top is None  # reverse_sampled: all of it in the advantages
 
     kl, n = 0.0, 0
     for s, a, got in zip(samples, group_adv.tolist(), adv):
@@ -134,14 +135,77 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
         assert (got[name] - p.grad).abs().max() <= 1e-10 * scale, name
 
 
+def naive_forward_kl(teacher_logp, student_logp, k: int):
+    """One position's forward KL from the teacher to the student over the teacher's k likeliest
+    tokens and one bucket for all others, from the two full (V,) log-softmax vectors: the
+    buckets' masses summed token by token, in fp64."""
+    top = torch.topk(teacher_logp, k).indices.tolist()
+    rest = [v for v in range(len(teacher_logp)) if v not in top]
+    kl = sum(teacher_logp[v].exp() * (teacher_logp[v] - student_logp[v]) for v in top)
+    if rest:
+        t_rest = sum(teacher_logp[v].exp() for v in rest)
+        s_rest = sum(student_logp[v].exp() for v in rest)
+        kl = kl + t_rest * (t_rest.log() - s_rest.log())
+    return kl, top
+
+
+@pytest.mark.parametrize("k, coef, reward_coef", [(3, 1.0, 0.0), (50, 2.0, 0.5)])
+def test_forward_top_k_equals_a_naive_loop(models, k, coef, reward_coef):
+    """distill.loss=forward_top_k: the teacher pass's top k at each response token equal a plain
+    forward's, the advantages carry the reward's share alone, and the student's gradient equals
+    autograd on (1/32) sum over written tokens of coef * the k+1-bucket forward KL, plus the
+    reward's policy-gradient term. k=50 covers the whole vocabulary: there the naive KL is
+    also the plain full one, sum_v t_v (log t_v - log s_v)."""
+    student, teacher, plain = models
+    vocab = student.config.vocab_size
+    samples = make_samples(student, vocab)
+    group_adv = torch.tensor([0.5, -1.0, 0.0, 1.5, -0.25], dtype=torch.float64)
+    cfg = load_config(None, ["--rollout.temperature=0.7", "--distill.loss=forward_top_k",
+                             f"--distill.top_k={k}", f"--distill.coef={coef}",
+                             f"--distill.reward_coef={reward_coef}", "--grpo.is_correction=none",
+                             "--grpo.micro_batch_tokens=24", "--grpo.logprob_chunk=8"])
+    adv, top, _ = distill.advantages(teacher, samples, group_adv, cfg, 0, "cpu")
+    assert top.coef == coef and all(x.shape == (len(s.response_ids), min(k, vocab))
+                                    for s, x in zip(samples, top.ids))
+    for s, a, got in zip(samples, group_adv.tolist(), adv):
+        assert torch.equal(got, torch.full((len(s.response_ids),), reward_coef * a,
+                                           dtype=torch.float64))
+
+    student.zero_grad()
+    grpo.accumulate_gradients(student, samples, adv, None, None, cfg.grpo, 0, "cpu",
+                              TEMPERATURE, 64, top)
+    got = {name: p.grad.clone() for name, p in student.named_parameters()}
+    student.zero_grad()
+    loss = 0.0
+    for i, (s, a) in enumerate(zip(samples, adv)):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(student(input_ids=ids).logits[0] / TEMPERATURE, -1)
+        with torch.no_grad():
+            t_logp = torch.log_softmax(plain(input_ids=ids).logits[0].double() / TEMPERATURE, -1)
+        n = len(s.prompt_ids)
+        for t, (tok, w) in enumerate(zip(s.response_ids, s.mask or [1] * len(s.response_ids))):
+            kl, ids_want = naive_forward_kl(t_logp[n - 1 + t], logp[n - 1 + t], min(k, vocab))
+            assert sorted(top.ids[i][t].tolist()) == sorted(ids_want)
+            assert (top.logp[i][t] - t_logp[n - 1 + t][top.ids[i][t]]).abs().max() < 1e-10
+            if k >= vocab:
+                full = (t_logp[n - 1 + t].exp() * (t_logp[n - 1 + t] - logp[n - 1 + t])).sum()
+                assert abs(float((kl - full).detach())) < 1e-10
+            loss = loss + w * (coef * kl - a[t] * logp[n - 1 + t, tok]) / 32
+    loss.backward()
+    for name, p in student.named_parameters():
+        scale = p.grad.abs().max()
+        assert scale > 0, name
+        assert (got[name] - p.grad).abs().max() <= 1e-10 * scale, name
+
+
 def test_environment_tokens_and_the_teacher_move_nothing_else(models):
     """Tokens the environment wrote get an advantage from the teacher too, but no loss: changing
     their advantages changes no gradient. And the teacher's pass leaves it in host memory."""
     student, teacher, _ = models
     samples = make_samples(student, student.config.vocab_size)
     cfg = load_config(None, ["--grpo.is_correction=none"])
-    adv, _ = distill.advantages(teacher, samples, torch.zeros(5, dtype=torch.float64), cfg, 0,
-                                "cpu")
+    adv, _, _ = distill.advantages(teacher, samples, torch.zeros(5, dtype=torch.float64), cfg,
+                                   0, "cpu")
     grads = []
     for shift in (0.0, 3.0):
         changed = [a.clone() for a in adv]
@@ -210,8 +274,9 @@ def test_with_episodes_tensor_parallel_partial_rollout_and_lora(tiny_task_dir, t
                                                                  tmp_path):
     """The teacher beside everything else a step can hold: multi-turn episodes (environment
     tokens in the responses), one engine over 2 ranks, samples carried across steps, and
-    adapters on the student (the teacher stays whole): the run goes through, the engine's
-    logprobs equal to the trainer's at the first step, and the KL to the teacher logged."""
+    adapters on the student (the teacher stays whole), with the forward KL to its top 4 and a
+    reward: the run goes through, the engine's logprobs equal to the trainer's at the first
+    step, and the KL to the teacher logged."""
     from conftest import launch
 
     launch(["train_grpo.py", "--config", "configs/multiturn_cpu.yaml", "--train.steps=3",
@@ -219,7 +284,8 @@ def test_with_episodes_tensor_parallel_partial_rollout_and_lora(tiny_task_dir, t
             "--log.eval_every=0", "--rollout.tp_size=2", "--grpo.prompts_per_step=16",
             "--rollout.partial.enabled=true", "--rollout.partial.oversample=1.5",
             "--model.lora.rank=8",
-            f"--distill.teacher={tiny_models['qwen3']}", "--distill.reward_coef=1.0"],
+            f"--distill.teacher={tiny_models['qwen3']}", "--distill.reward_coef=1.0",
+            "--distill.loss=forward_top_k", "--distill.top_k=4"],
            timeout=900)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3 and all(r["distill_kl"] > 0 and r["teacher_gb"] > 0 for r in rows)
