@@ -17,6 +17,9 @@ def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
     out = launch(["tests/workers/sync_parity.py", tiny_models[arch], str(tp)])
     assert out.count("SYNC_PARITY_OK") == 2, out[-3000:]
     assert out.count("== HF") == 6
+    if arch == "qwen3_moe":  # the experts' layout: each wrong one caught on both ranks
+        assert out.count("LAYOUT_CAUGHT gate/up swapped") == 2, out[-3000:]
+        assert out.count("LAYOUT_CAUGHT down_proj transposed") == 2, out[-3000:]
 
 
 def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
