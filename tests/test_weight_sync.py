@@ -348,3 +348,27 @@ def test_all_adapters_in_one_all_gather_equal_each_one_gathered_alone(tiny_task_
     none), bit-equal to each tensor's own full_tensor (tests/workers/adapter_gather.py)."""
     out = launch(["tests/workers/adapter_gather.py", f"{tiny_task_dir}/model"])
     assert out.count("ADAPTER_GATHER_OK") == 2, out[-3000:]
+
+
+def test_fused_experts_split_as_the_checkpoint_holds_them(tiny_models):
+    """rollout.per_expert (the push into a vLLM whose loader takes per-expert names only, as
+    0.23's) turns a Qwen3-MoE's pushed tensors into exactly the names and values transformers
+    writes to the checkpoint that vLLM loads at start: save_pretrained's safetensors, read
+    back, are the reference. A gate/up swap or a transposed matrix would differ here."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import rollout
+
+    path = tiny_models["qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    stats = {"bytes": 0}
+    pushed = dict(rollout.per_expert(weight_sync.iter_full_params(model, torch.float32, stats)))
+    saved = load_file(f"{path}/model.safetensors")
+    experts = [n for n in saved if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3  # 2 layers, 8 experts, gate/up/down each
+    assert set(saved) <= set(pushed) and set(pushed) - set(saved) <= {"lm_head.weight"}
+    for name in saved:
+        assert torch.equal(pushed[name], saved[name]), name
+    assert any(not torch.equal(pushed[n], saved[n.replace("gate_proj", "up_proj")])
+               for n in experts if "gate_proj" in n)  # gate and up are not one tensor twice
