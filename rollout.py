@@ -345,14 +345,10 @@ class Engine:
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
         prefix cache: cached prompt KV from the old weights would otherwise be reused."""
-        import vllm
-
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_weights, "
                                "or the load writes into unmapped memory")
-        if ".".join(vllm.__version__.split(".")[:2]) not in FUSED_EXPERTS_VLLM:
-            named_tensors = per_expert(named_tensors)
-        _reload_weights_in_place(self.llm, named_tensors)
+        _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
         self.llm.reset_prefix_cache()
 
     def load_adapter(self, layers: dict) -> None:
@@ -495,6 +491,15 @@ def _check_version() -> None:
     if not getattr(_check_version, "logged", False):
         log.info("weight sync into vLLM %s: %s", vllm.__version__, TESTED_VLLM[version])
         _check_version.logged = True
+
+
+def as_vllm_loads(named_tensors):
+    """The pairs as this vLLM's loader takes them: a mixture of experts' fused tensors split per
+    expert (per_expert) unless its version is in FUSED_EXPERTS_VLLM."""
+    import vllm
+
+    fused = ".".join(vllm.__version__.split(".")[:2]) in FUSED_EXPERTS_VLLM
+    return named_tensors if fused else per_expert(named_tensors)
 
 
 def per_expert(named_tensors):
