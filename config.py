@@ -22,6 +22,7 @@ import episodes
 import fsdp_utils
 import grpo
 import kernels
+import moe
 import npu_ops
 import offload
 import partial
@@ -243,6 +244,7 @@ def validate(cfg, world_size: int) -> None:
             raise BadInput(f"config: {name}={value!r}: {problem}. Fix: change {name}, or leave "
                            f"it out for its default {default!r}")
     _check_sizes(cfg, world_size)
+    _check_experts(cfg)
     r = cfg.rollout
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
@@ -254,10 +256,23 @@ def validate(cfg, world_size: int) -> None:
         episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
         partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
         grpo.validate(cfg.grpo)  # the surrogates' rules
+        npu_ops.check_experts(r.expert_parallel, cfg.model.routing_replay)  # the engine's
         distill.validate(cfg.distill, cfg.grpo.dynamic_sampling)  # the teacher's path
     except ValueError as e:
         raise BadInput(str(e)) from None
     _check_paths(cfg)
+
+
+def _check_experts(cfg) -> None:
+    """A mixture of experts' options where they can work (the platform's part: npu_ops.
+    check_experts; whether the model has experts: check_model)."""
+    r = cfg.rollout
+    _need(not r.expert_parallel or r.tp_size > 1, "rollout.expert_parallel=true with "
+          "rollout.tp_size=1: one rank holds every expert anyway. Fix: rollout.tp_size > 1")
+    _need(not cfg.model.routing_replay or not (cfg.env.name or r.partial.enabled),
+          "model.routing_replay=true with episodes (env.name) or partial rollout: a sample "
+          "written over several engine calls carries no routing yet. Fix: "
+          "model.routing_replay=false, or one-turn samples")
 
 
 def _need(ok, msg: str) -> None:
@@ -361,6 +376,11 @@ def check_model(cfg) -> None:
         text = json.load(f)
     text = text.get("text_config", text)  # a multimodal model's language part
     kind = text.get("model_type")
+    for field_name, on in (("model.routing_replay", cfg.model.routing_replay),
+                           ("rollout.expert_parallel", r.expert_parallel)):
+        if on and not moe.is_moe(text):
+            raise BadInput(f"config: {field_name}=true on a {kind!r} model, which has no "
+                           f"experts. Fix: {field_name}=false")
     if cfg.model.lora.rank and kind not in fsdp_utils.FAMILIES:
         raise BadInput(f"config: model.lora.rank={cfg.model.lora.rank} on a {kind!r} model: "
                        "adapters go on the linear layers fsdp_utils.LORA_MODULES names, in the "

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels
+import moe
 import npu_ops
 import offload
 from domains import DTYPE, FLAG, Anything, Items, OneOf, Range
@@ -63,6 +64,9 @@ class ModelConfig:
     # engine sleeps on an accelerator beside the actor, off on CPU
     offload: Annotated[str, OneOf("auto", "on", "off")] = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)  # adapters on a frozen base
+    # a mixture of experts: the actor's passes route each token by the experts the engine chose
+    #   for it, its gates from its own router (moe.py); where the engine returns its routing
+    routing_replay: Annotated[bool, FLAG] = False
 
 
 @dataclass
@@ -207,8 +211,14 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     attn = register_attention(attn)
     lora = cfg.lora.rank > 0 and not reference
     dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
+    experts = {}
+    if moe.is_moe(hf_cfg):  # a mixture of experts: its experts' kernel, by the compute dtype
+        experts["experts_implementation"], why = npu_ops.experts_implementation(
+            getattr(torch, cfg.param_dtype))
+        log.info("experts: %s (%s)", experts["experts_implementation"], why)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn,
+                                                 **experts)
     if lora:
         add_adapters(model, cfg.lora)
     patched = patch_kernels(model, cfg.fused_kernels)  # (the MLP's calls its projections)
@@ -216,7 +226,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
              "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, **experts)
         if lora:  # the adapters' initial values: lora_A random (this rank's RNG), lora_B 0
             add_adapters(full, cfg.lora)
     if cfg.gradient_checkpointing and not reference:

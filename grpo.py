@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import fsdp_utils
 import logprobs
+import moe
 import tracking
 from domains import FLAG, OneOf, Range
 
@@ -583,10 +584,13 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
 
 def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
                          cfg: GRPOConfig, pad_id: int, device, temperature: float,
-                         max_len: int, teacher: TeacherTopK | None = None) -> tuple[list, dict]:
+                         max_len: int, teacher: TeacherTopK | None = None,
+                         router: moe.RouterStats | None = None) -> tuple[list, dict]:
     """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
     actor. adv: each sample's advantage (n,), or each one's per-token advantages, a list of
-    (n_i,) tensors (distill.py); teacher: a forward KL term to a teacher's top k, or None.
+    (n_i,) tensors (distill.py); teacher: a forward KL term to a teacher's top k, or None. A
+    mixture of experts routes by the samples' routing where they carry it (moe.routing, forward
+    and backward: a recomputed forward routes alike), its routers' work added to `router`.
     old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
     Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
     metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
@@ -609,10 +613,11 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                          cfg, n_tokens, n_seqs, max_len,
                          teacher.of(idx) if teacher is not None and idx else None)
         mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
-        out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
-        logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
-        # FSDP averages gradients over ranks; the loss is already a global mean: undo the average
-        (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
+        with moe.routing(actor, mb.routing, router if idx else None, mb.real):
+            out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
+            logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
+            # FSDP averages gradients over ranks; the loss is a global mean: undo the average
+            (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
         if idx:
             for name in stats:
                 stats[name] = stats[name] + out[name].detach()  # in the wider dtype
@@ -654,8 +659,8 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
-    old_logp = (None if on_policy
-                else logprobs.sample_logprobs(actor, samples, cfg, pad_id, device, temperature))
+    old_logp = (None if on_policy else logprobs.sample_logprobs(
+        actor, samples, cfg, pad_id, device, temperature, replay=True))
     ref_logp = None
     if ref is not None:  # the frozen reference: out of host memory, or the actor's base (LoRA)
         with fsdp_utils.reference(ref):
@@ -664,13 +669,15 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
     loss_tokens, norms = 0, []
     clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
     shuffle = torch.Generator().manual_seed(seed)
+    router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
     for epoch in range(cfg.ppo_epochs):
         for part in split_mini_batches(len(samples), cfg.mini_batches, shuffle):
             old, ref_lp = ([lp[i] for i in part] if lp is not None else None
                            for lp in (old_logp, ref_logp))
             logp, stats = accumulate_gradients(
                 actor, [samples[i] for i in part], samples_of(adv, part), old, ref_lp, cfg,
-                pad_id, device, temperature, max_len, teacher and teacher.of(part))
+                pad_id, device, temperature, max_len, teacher and teacher.of(part),
+                router if epoch == 0 else None)
             if old_logp is None:  # on-policy: the one forward (part: every sample, shuffled)
                 old_logp = [lp for _, lp in sorted(zip(part, logp), key=lambda x: x[0])]
             clipped += stats["clipped"]
@@ -680,21 +687,36 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
             norms.append(fsdp_utils.clip_grad_norm(actor, grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
+    clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
+    return {**update_metrics(samples, adv, old_logp, ref_logp, cfg, clipped, entropy,
+                             loss_tokens, router),
+            "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
+
+
+def update_metrics(samples: list, adv, old_logp: list, ref_logp, cfg: GRPOConfig,
+                   clipped: float, entropy: float, loss_tokens: int, router) -> dict:
+    """`update`'s metrics from its sums: the policy's entropy, clip_frac, the engine/trainer
+    mismatch (old_logp: the update's own view of the sampling policy), kl to the reference,
+    trained_tokens and trained_rows, and a mixture of experts' routers (moe.RouterStats)."""
     tokens = sum(s.model_tokens for s in samples)
     # the tokens the passes' forwards and backwards saw, and the rows of the output layer among
     # them (the update's FLOPs: fsdp_utils.flops_per_token)
     seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples)
-    clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     engine = written(samples, [s.logp for s in samples])
     out = {"entropy": tracking.Mean(entropy, tokens),
            "clip_frac": tracking.Mean(clipped, loss_tokens),
            **mismatch_stats(old_logp, engine, cfg.is_cap),
-           **off_policy_stats(old_logp, engine, adv, cfg.off_policy_delta)}
+           **off_policy_stats(old_logp, engine, adv, cfg.off_policy_delta),
+           "trained_tokens": tracking.Sum(seen), "trained_rows": tracking.Sum(rows)}
     if ref_logp is not None:
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()
                                       for o, r in zip(old_logp, written(samples, ref_logp))),
                                   tokens)
-    return {**out, "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time,
-            "trained_tokens": tracking.Sum(seen), "trained_rows": tracking.Sum(rows)}
+    done = router.totals() if router is not None else {}
+    if done:  # the worst rank's worst layer; the others over every position of every rank
+        out.update(moe_load_max_mean=tracking.Max(max(done["ratio"])),
+                   router_entropy=tracking.Mean(done["entropy"], done["positions"]),
+                   routing_differs=tracking.Mean(done["differs"], done["positions"]))
+    return out

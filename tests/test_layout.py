@@ -22,14 +22,15 @@ ALLOWED = {
     "tracking": {"domains"},
     "offload": {"npu_ops"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
-    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels"}, "checkpoint": {"npu_ops"},
+    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe"}, "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains", "checkpoint"},  # the engine, engine groups
     "partial": {"records", "rollout", "tracking"},  # carried groups across steps
     "weight_sync": {"npu_ops", "fsdp_utils", "offload"},  # the push, the engine's turn
-    "logprobs": set(),  # the model's logprobs: packing, the output layer
+    "moe": set(),  # mixture-of-experts routers: what they did, routing replay
+    "logprobs": {"moe"},  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
-    "grpo": {"fsdp_utils", "logprobs", "tracking", "domains"},
+    "grpo": {"fsdp_utils", "logprobs", "moe", "tracking", "domains"},
     # on-policy distillation: the teacher, its pass, per-token advantages
     "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
@@ -37,7 +38,7 @@ ALLOWED = {
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
-               "fsdp_utils", "grpo", "distill"},
+               "fsdp_utils", "grpo", "distill", "moe"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "records", "partial", "evaluation", "sampler", "distill"},

@@ -8,9 +8,10 @@ woken, weight_sync.load, its KV cache woken: what the engine's turn does), and c
   - the engine really changed between rounds (a no-op sync would fail the first check anyway);
   - a mixture of experts: a push with gate and up swapped in the experts' fused tensor, or their
     down projection transposed, fails the first check (or the engine refuses it).
-Usage: torchrun --nproc_per_node 2 tests/workers/sync_parity.py MODEL_DIR TP
+Usage: torchrun --nproc_per_node 2 tests/workers/sync_parity.py MODEL_DIR TP [--expert-parallel]
 """
 
+import sys
 import time
 
 import torch
@@ -26,8 +27,9 @@ import rollout
 import weight_sync
 from tests.reference import token_logprobs
 
-model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8,
-                                                     block_size=32, enable_prefix_caching=True)
+model_dir, tp, rank, world, tok, cfg = engines.start(
+    max_num_seqs=32, max_new_tokens=8, block_size=32, enable_prefix_caching=True,
+    expert_parallel="--expert-parallel" in sys.argv)
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
