@@ -244,6 +244,12 @@ def test_the_options_are_refused_before_any_model_loads(tiny_task_dir, tiny_mode
     assert "on CPU" in refused("configs/moe_cpu.yaml", "--rollout.expert_parallel=true",
                                "--rollout.tp_size=2")
     assert "episodes" in refused("configs/multiturn_cpu.yaml", "--model.routing_replay=true")
+    import npu_ops
+
+    with pytest.raises(ValueError, match="on an NPU"):  # vLLM-Ascend 0.23's token split
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(npu_ops, "device_type", lambda: "npu")
+            npu_ops.check_experts(expert_parallel=True, routing_replay=True)
     cfg = resolve(load_config("configs/tiny_cpu.yaml", [f"--data.tiny_task_dir={tiny_task_dir}"]))
     cfg.model.routing_replay = True  # past the platform's check: the model has no experts
     with pytest.raises(config.BadInput, match="no experts"):
