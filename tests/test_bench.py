@@ -62,3 +62,14 @@ def test_partial_bench_runs_both_ways_on_the_same_lengths():
     assert off["gen_s_per_step"] > 0 and on["gen_s_per_step"] > 0
     assert line["on_over_off"] == round(on["gen_s_per_step"] / off["gen_s_per_step"], 4)
     assert on["samples_carried"] > 0 and on["dropped"] == 0 and 0 <= on["stale_token_share"] <= 1
+
+
+def test_weight_sync_bench_on_a_mixture_of_experts():
+    """bench/weight_sync.py --experts, small: a random Qwen3-MoE pushed both ways and with each
+    expert split out (rollout.per_expert), each against the floor."""
+    out = launch(["bench/weight_sync.py", "--hidden", "256", "--layers", "2", "--experts", "4",
+                  "--repeats", "1"])
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert row["params_m"] > 0 and row["gb"] > 0
+    for key in ("ratio", "unit_ratio", "per_expert_ratio"):
+        assert row[key] > 0, row
