@@ -90,9 +90,9 @@ recomputed = []
 real_sample_logprobs = logprobs.sample_logprobs
 
 
-def counting_sample_logprobs(model, *args):
+def counting_sample_logprobs(model, *args, **kwargs):
     recomputed.append(model)
-    return real_sample_logprobs(model, *args)
+    return real_sample_logprobs(model, *args, **kwargs)
 
 
 logprobs.sample_logprobs = counting_sample_logprobs
