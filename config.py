@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import typing
 
@@ -245,6 +246,7 @@ def validate(cfg, world_size: int) -> None:
                            f"it out for its default {default!r}")
     _check_sizes(cfg, world_size)
     _check_experts(cfg)
+    _check_sequence_parallel(cfg, world_size)
     r = cfg.rollout
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
@@ -273,6 +275,21 @@ def _check_experts(cfg) -> None:
           "model.routing_replay=true with episodes (env.name) or partial rollout: a sample "
           "written over several engine calls carries no routing yet. Fix: "
           "model.routing_replay=false, or one-turn samples")
+
+
+def _check_sequence_parallel(cfg, world_size: int) -> None:
+    """model.sp_size > 1 where it is built: packed rows, and an attention that takes a row's
+    boundaries."""
+    sp, g = cfg.model.sp_size, cfg.grpo
+    if sp == 1:
+        return
+    _need(world_size % sp == 0, f"model.sp_size={sp} must divide the world size {world_size}")
+    _need(g.pack, f"model.sp_size={sp} with grpo.pack=false: sequence parallel splits packed "
+          "rows. Fix: grpo.pack=true")
+    attn = npu_ops.attention_implementation(cfg.model.attn_implementation)
+    _need(attn in ("sdpa", "packed_sdpa", npu_ops.FUSION_ATTENTION),
+          f"model.sp_size={sp} with attention {attn!r}: Ulysses wraps packed_sdpa or the "
+          "platform's fused attention. Fix: model.attn_implementation=auto")
 
 
 def _need(ok, msg: str) -> None:
@@ -358,6 +375,22 @@ def check_host_memory(cfg, world_size: int) -> None:
         raise BadInput(str(e)) from None
 
 
+def _check_heads_and_experts(cfg, text: dict) -> None:
+    """model.sp_size against the model's attention heads, and the options of a mixture of
+    experts against a model that has experts (text: its config.json's language part)."""
+    heads, sp = text.get("num_attention_heads"), cfg.model.sp_size
+    kv = text.get("num_key_value_heads") or heads
+    if sp > 1 and heads and (heads % sp or heads % (kv * (sp // math.gcd(kv, sp)))):
+        raise BadInput(f"config: model.sp_size={sp}: the model's {heads} attention heads and "
+                       f"{kv} KV heads do not split over it (seq_parallel.replicated_kv). Fix: "
+                       "an sp_size that divides the heads")
+    for field_name, on in (("model.routing_replay", cfg.model.routing_replay),
+                           ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
+        if on and not moe.is_moe(text):
+            raise BadInput(f"config: {field_name}=true on a {text.get('model_type')!r} model, "
+                           f"which has no experts. Fix: {field_name}=false")
+
+
 def check_model(cfg) -> None:
     """The checks that need the model's own files, read without loading it (config.json and the
     tokenizer's files, never the weights): rollout.max_model_len within the model's positions,
@@ -376,11 +409,7 @@ def check_model(cfg) -> None:
         text = json.load(f)
     text = text.get("text_config", text)  # a multimodal model's language part
     kind = text.get("model_type")
-    for field_name, on in (("model.routing_replay", cfg.model.routing_replay),
-                           ("rollout.expert_parallel", r.expert_parallel)):
-        if on and not moe.is_moe(text):
-            raise BadInput(f"config: {field_name}=true on a {kind!r} model, which has no "
-                           f"experts. Fix: {field_name}=false")
+    _check_heads_and_experts(cfg, text)
     if cfg.model.lora.rank and kind not in fsdp_utils.FAMILIES:
         raise BadInput(f"config: model.lora.rank={cfg.model.lora.rank} on a {kind!r} model: "
                        "adapters go on the linear layers fsdp_utils.LORA_MODULES names, in the "

@@ -23,6 +23,7 @@ import kernels
 import moe
 import npu_ops
 import offload
+import seq_parallel
 from domains import DTYPE, FLAG, Anything, Items, OneOf, Range
 
 log = logging.getLogger("grpo")
@@ -67,6 +68,9 @@ class ModelConfig:
     # a mixture of experts: the actor's passes route each token by the experts the engine chose
     #   for it, its gates from its own router (moe.py); where the engine returns its routing
     routing_replay: Annotated[bool, FLAG] = False
+    # sequence parallel (Ulysses): this many consecutive ranks share each packed row of the
+    #   update, 1/sp of its tokens each, attention over all tokens for 1/sp of the heads
+    sp_size: Annotated[int, Range(1)] = 1
 
 
 @dataclass
@@ -131,13 +135,14 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return out[seq, :, pos].unsqueeze(0), None  # (1, N, h, d), as transformers' sdpa returns
 
 
-def register_attention(attn: str) -> str:
+def register_attention(attn: str, split=None) -> str:
     """The attn_implementation to build the actor with: "sdpa" becomes "packed_sdpa" (sdpa that
     packed rows can use); "packed_sdpa" and npu_ops' fused attention are registered with
     transformers. Neither has a mask function of its own, so transformers builds no mask for them
     and hands them the attention_mask as given (None, or a (B, T) padding mask they make causal
     themselves): with a mask function, transformers 5.19's create_causal_mask reads the position
-    ids back to the host once per forward (masking_utils.find_packed_sequence_indices)."""
+    ids back to the host once per forward (masking_utils.find_packed_sequence_indices). split
+    (seq_parallel.Split): the same, inside Ulysses' all-to-alls, as "ulysses_<name>"."""
     from transformers import AttentionInterface
 
     attn = "packed_sdpa" if attn == "sdpa" else attn
@@ -145,6 +150,10 @@ def register_attention(attn: str) -> str:
         AttentionInterface.register(attn, packed_sdpa)
     elif attn == npu_ops.FUSION_ATTENTION:
         AttentionInterface.register(attn, npu_ops.fusion_attention)
+    if split is not None:
+        inner = packed_sdpa if attn == "packed_sdpa" else npu_ops.fusion_attention
+        AttentionInterface.register(f"ulysses_{attn}", seq_parallel.attention(inner, split.group))
+        attn = f"ulysses_{attn}"
     return attn
 
 
@@ -208,7 +217,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
-    attn = register_attention(attn)
+    split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
+    attn = register_attention(attn, split)
     lora = cfg.lora.rank > 0 and not reference
     dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
     experts = {}
@@ -249,6 +259,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     del full
     log.info("%s: %d parameters, %d of them trained", "reference" if reference else "actor",
              sum(p.numel() for p in model.parameters()), trainable(model))
+    model.sp = split  # logprobs.micro_batch gives this rank its share of each row by it
     if reference:
         model.requires_grad_(False)
         model.eval()

@@ -546,12 +546,14 @@ def off_policy_keep(logp, engine_logp, mask, adv, delta: float):
     return ((adv >= 0) | (kl <= delta)).to(kl.dtype)
 
 
-def loss_of(t: Tokens, mb, cfg: GRPOConfig):
+def loss_of(t: Tokens, mb, cfg: GRPOConfig, full: Tokens | None = None):
     """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
     k (a slice of K); first(logp), when the loss needs whole sequences of this forward's logp
     before any gradient, else None: the mismatch weights of on-policy seq_mask, and gspo's
     sequence ratios off-policy (on-policy each is exactly 1: no pass); and dense(logp_all, p, k),
-    the forward KL to a teacher's top k (t.top_ids), else None."""
+    the forward KL to a teacher's top k (t.top_ids), else None. Sequence parallel: t is this
+    rank's tokens, `full` every token's; first gets every token's logp and keeps t's share."""
+    full = t if full is None else full
     def loss_fn(logp, k):
         return grpo_loss(logp, t[k], cfg)
 
@@ -565,18 +567,18 @@ def loss_of(t: Tokens, mb, cfg: GRPOConfig):
     if cfg.policy_loss == "gspo" and t.old is None:
         t.seq_ratio = torch.ones_like(t.engine)
 
-    def first(logp):  # (K,)
+    def first(logp):  # (K,) every token's
         if weights_first:
-            t.is_weight = mb.flat(mismatch_weights(mb.padded(logp), mb.padded(t.engine),
-                                                   mb.mask, cfg.is_correction, cfg.is_cap,
-                                                   cfg.is_cap_low))
+            t.is_weight = mb.mine(mb.flat(mismatch_weights(
+                mb.padded(logp), mb.padded(full.engine), mb.mask, cfg.is_correction, cfg.is_cap,
+                cfg.is_cap_low)))
         if ratios_first:
-            ratio = sequence_ratio(mb.padded(logp), mb.padded(t.old), mb.mask)
-            t.seq_ratio = mb.flat(ratio.expand_as(mb.mask))
+            ratio = sequence_ratio(mb.padded(logp), mb.padded(full.old), mb.mask)
+            t.seq_ratio = mb.mine(mb.flat(ratio.expand_as(mb.mask)))
         if keep_first:  # a row's tokens carry one advantage: their sum has its sign
-            keep = off_policy_keep(mb.padded(logp), mb.padded(t.engine), mb.mask,
-                                   mb.padded(t.adv).sum(1, keepdim=True), cfg.off_policy_delta)
-            t.seq_keep = mb.flat(keep.expand_as(mb.mask))
+            keep = off_policy_keep(mb.padded(logp), mb.padded(full.engine), mb.mask,
+                                   mb.padded(full.adv).sum(1, keepdim=True), cfg.off_policy_delta)
+            t.seq_keep = mb.mine(mb.flat(keep.expand_as(mb.mask)))
 
     return (loss_fn, first if weights_first or ratios_first or keep_first else None,
             dense if t.top_ids is not None else None)
@@ -597,7 +599,8 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
     temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
     counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples))])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
-    n_tokens, n_seqs = counts.tolist()
+    split = getattr(actor, "sp", None)  # sequence parallel: a group's ranks hold the same samples
+    n_tokens, n_seqs = (x / (split.size if split else 1) for x in counts.tolist())
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
     if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return [torch.zeros(0)] * len(samples), stats
@@ -608,13 +611,15 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
         batch = [samples[i] for i in idx] or [logprobs.DUMMY]
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None
                     for lp in (old_logp, ref_logp))
-        mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config)
+        mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config, split)
         t = token_inputs(batch, mb, samples_of(adv, idx) if idx else torch.zeros(1), old, ref,
                          cfg, n_tokens, n_seqs, max_len,
                          teacher.of(idx) if teacher is not None and idx else None)
-        mb, t = logprobs.to_device(mb, device), logprobs.to_device(t, device)
+        mb, full = logprobs.to_device(mb, device), logprobs.to_device(t, device)
+        t = full if mb.local is None else full[mb.local]  # this rank's tokens of the row
         with moe.routing(actor, mb.routing, router if idx else None, mb.real):
-            out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk, *loss_of(t, mb, cfg))
+            out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk,
+                               *loss_of(t, mb, cfg, full))
             logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
             # FSDP averages gradients over ranks; the loss is a global mean: undo the average
             (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
@@ -688,21 +693,24 @@ def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *
             opt.step()
             opt.zero_grad(set_to_none=True)
     clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
+    split = getattr(actor, "sp", None)  # sequence parallel: the sums are this rank's tokens'
     return {**update_metrics(samples, adv, old_logp, ref_logp, cfg, clipped, entropy,
-                             loss_tokens, router),
+                             loss_tokens, router, split.size if split else 1),
             "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
 
 
 def update_metrics(samples: list, adv, old_logp: list, ref_logp, cfg: GRPOConfig,
-                   clipped: float, entropy: float, loss_tokens: int, router) -> dict:
+                   clipped: float, entropy: float, loss_tokens: int, router, sp: int) -> dict:
     """`update`'s metrics from its sums: the policy's entropy, clip_frac, the engine/trainer
     mismatch (old_logp: the update's own view of the sampling policy), kl to the reference,
-    trained_tokens and trained_rows, and a mixture of experts' routers (moe.RouterStats)."""
-    tokens = sum(s.model_tokens for s in samples)
+    trained_tokens and trained_rows, and a mixture of experts' routers (moe.RouterStats). sp:
+    the sequence-parallel group's size, whose ranks each hold the same samples and sum their
+    own share of the tokens."""
+    tokens, loss_tokens = sum(s.model_tokens for s in samples) / sp, loss_tokens / sp
     # the tokens the passes' forwards and backwards saw, and the rows of the output layer among
     # them (the update's FLOPs: fsdp_utils.flops_per_token)
-    seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples)
+    seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) / sp
+    rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples) / sp
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     engine = written(samples, [s.logp for s in samples])
     out = {"entropy": tracking.Mean(entropy, tokens),
@@ -712,8 +720,8 @@ def update_metrics(samples: list, adv, old_logp: list, ref_logp, cfg: GRPOConfig
            "trained_tokens": tracking.Sum(seen), "trained_rows": tracking.Sum(rows)}
     if ref_logp is not None:
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()
-                                      for o, r in zip(old_logp, written(samples, ref_logp))),
-                                  tokens)
+                                      for o, r in zip(old_logp, written(samples, ref_logp)))
+                                  / sp, tokens)
     done = router.totals() if router is not None else {}
     if done:  # the worst rank's worst layer; the others over every position of every rank
         out.update(moe_load_max_mean=tracking.Max(max(done["ratio"])),

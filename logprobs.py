@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import moe
+import seq_parallel
 
 # a zero-loss stand-in sample (any object with these fields is a sample here)
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,
@@ -118,6 +119,10 @@ class MicroBatch:
     lengths: list  # (n,) response lengths, on the host
     real: torch.Tensor  # (B*T,) bool: the flattened input's positions that hold a sample's token
     routing: torch.Tensor | None = None  # (layers, B*T, k) the engine's experts (moe.py), or None
+    # sequence parallel (split_row): this rank's tokens, a range of K, and every rank's bounds
+    local: slice | None = None
+    bounds: list | None = None
+    split: object = None  # seq_parallel.Split: the group whose ranks share the row
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """(n, L) -> (K,)"""
@@ -127,8 +132,13 @@ class MicroBatch:
         """(K,) -> (n, L), zeros elsewhere"""
         return x.new_zeros(self.mask.shape).index_put_((self.seq, self.col), x)
 
+    def mine(self, x):
+        """(K, ...) -> this rank's tokens of them (all of them without sequence parallel)."""
+        return x if self.local is None else x[self.local]
 
-def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroBatch:
+
+def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
+                split=None) -> MicroBatch:
     """Lay out `samples` on the host. packed: one row of the samples end to end, position ids
     restarting at 0 for each, and the row's boundaries as transformers' flash attention takes
     them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too, plus the
@@ -136,7 +146,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
     batch, right-padded, with no attention mask: causal attention never lets a real token see the
     padding after it, and padded positions carry no loss. Either way no attention mask is built
     (see PREPARED_MASKS; config: the model's). The mask is 1 on the tokens the model wrote:
-    all of a response, or where a sample's own `mask` says so."""
+    all of a response, or where a sample's own `mask` says so. split (seq_parallel.Split, packed
+    only): this rank's share of the row (split_row)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     lens = torch.tensor([len(x) for x in seqs])
     prompt = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -170,11 +181,46 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None) -> MicroB
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
     written = torch.tensor([float(m) for s in samples
                             for m in (s.mask or [1] * len(s.response_ids))])
-    return MicroBatch(inputs=inputs, rows=rows,
-                      targets=torch.tensor([t for s in samples for t in s.response_ids]),
-                      seq=seq, col=col, lengths=lengths,
-                      mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written),
-                      real=real, routing=moe.given_routing(samples, starts, positions))
+    mb = MicroBatch(inputs=inputs, rows=rows,
+                    targets=torch.tensor([t for s in samples for t in s.response_ids]),
+                    seq=seq, col=col, lengths=lengths,
+                    mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written),
+                    real=real, routing=moe.given_routing(samples, starts, positions))
+    return mb if split is None else split_row(mb, split, pad_id)
+
+
+def split_row(mb: MicroBatch, split, pad_id: int) -> MicroBatch:
+    """A packed micro-batch's share for this rank of its sequence-parallel group (split: its
+    seq_parallel.Split, `size` ranks, this one's `rank` there): the
+    row padded to a multiple of size (the padding one more sample, seen by no other), this
+    rank's n = R / size consecutive positions of it as the model's input, the whole row's
+    boundaries under `row` (for seq_parallel.attention, with the row's position ids), and the
+    response tokens those positions predict: a range of K (`local`; the targets were taken
+    from the whole row first, so none is lost at a boundary). seq, col, mask and lengths stay
+    the whole micro-batch's."""
+    inputs, rank, size = mb.inputs, split.rank, split.size
+    ids, positions, cu = inputs["input_ids"], inputs["position_ids"], inputs["cu_seq_lens_q"]
+    pad = -ids.shape[1] % size
+    if pad:
+        ids = torch.cat([ids, ids.new_full((1, pad), pad_id)], 1)
+        positions = torch.cat([positions, torch.arange(pad)[None]], 1)
+        cu = torch.cat([cu, cu.new_tensor([ids.shape[1]])])
+    n, longest = ids.shape[1] // size, max(inputs["max_length_q"], pad)
+    row = {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+           "max_length_q": longest, "max_length_k": longest, "packed_ends": tuple(cu[1:].tolist())}
+    mine = slice(rank * n, (rank + 1) * n)
+    local = {"input_ids": ids[:, mine], "position_ids": positions[:, mine], "row": row}
+    if "attention_mask" in inputs:
+        local["attention_mask"] = inputs["attention_mask"]
+    bounds = torch.searchsorted(mb.rows, torch.arange(size + 1) * n).tolist()
+    k = slice(bounds[rank], bounds[rank + 1])
+    real = torch.cat([mb.real, torch.zeros(pad, dtype=torch.bool)])[mine]
+    routing = (None if mb.routing is None else torch.cat(
+        [mb.routing, mb.routing.new_full((mb.routing.shape[0], pad, mb.routing.shape[2]), -1)],
+        1)[:, mine])
+    return dataclasses.replace(mb, inputs=local, rows=mb.rows[k] - rank * n,
+                               targets=mb.targets[k], real=real, routing=routing, local=k,
+                               bounds=bounds, split=split)
 
 
 def to_device(x, device):
@@ -281,9 +327,11 @@ class _FusedOutputLayer(torch.autograd.Function):
                 loss_fn, first, dense, out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
-        written = mb.flat(mb.mask)  # (K,)
+        written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
         if first is not None:  # the loss needs every token's logp before any gradient
-            first(_logp_pass(h, weight, bias, mb.targets, temperature, chunk))
+            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk)
+            first(logp if mb.local is None  # sequence parallel: every rank's tokens'
+                  else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
         grad_hidden = torch.zeros_like(flat)
         # a frozen output layer (adapters) gets no gradient: a third of its FLOPs saved
@@ -328,7 +376,8 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, fir
     "clipped" (0-dim sums over the K tokens, on the device). first(logp (K,)), if given, sees
     every token's logp (no gradient) before the gradient pass: one more pass over the
     vocabulary, for a loss that needs whole sequences first. dense: a loss term of each token's
-    whole distribution (_chunk_grad)."""
+    whole distribution (_chunk_grad). Sequence parallel (mb.local, model.sp): the sums and the
+    loss are this rank's tokens', the logprobs every token's (one all-gather in the group)."""
     head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
@@ -348,6 +397,10 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, fir
         del head.forward
     if loss_fn is not None:
         out["loss"] = result.logits
+    if mb.local is not None:  # sequence parallel: every token's, from the group's ranks
+        for name in ("logp", "top_logp", "top_ids"):
+            if name in out:
+                out[name] = seq_parallel.gather_tokens(out[name], mb.bounds, mb.split)
     return out
 
 
@@ -415,7 +468,8 @@ def sample_top_k(model, samples: list, cfg, pad_id: int, device, temperature: fl
     found = {name: [] for name in ("logp", "top_logp", "top_ids")}
     for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, model.config):
         batch = [samples[i] for i in idx] or [DUMMY]
-        mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config), device)
+        mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config,
+                                   getattr(model, "sp", None)), device)
         with moe.routing(model, mb.routing if replay else None):
             out = run(model, mb, temperature, cfg.logprob_chunk, top_k=k)
         for name, x in out.items():

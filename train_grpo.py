@@ -51,6 +51,7 @@ import records
 import rewards
 import rollout
 import sampler
+import seq_parallel
 import tiny_task
 import tracking
 import weight_sync
@@ -350,6 +351,11 @@ def train_step(run: Run, return_rollout: bool = False):
     samples = partial.for_update([ro.samples[i] for i in mine], step - 1,
                                  cfg.rollout.partial.stale)
     adv = torch.tensor(scored.adv)[mine]
+    split, first = run.actor.sp, run.rank  # sequence parallel: the group trains the union of
+    if split is not None:  # its ranks' shares, each rank 1/sp of every row's tokens
+        both = seq_parallel.gather_samples(list(zip(samples, adv.tolist())), split)
+        samples, adv, first = [x for x, _ in both], torch.tensor([a for _, a in both]), \
+            run.rank - split.rank
     pad, device, top, taught = run.tokenizer.pad_token_id or 0, npu_ops.local_device(), None, {}
     if run.teacher is not None:  # on-policy distillation: per-token advantages (distill.py)
         with torch.profiler.record_function("step:teacher"):
@@ -358,7 +364,7 @@ def train_step(run: Run, return_rollout: bool = False):
         update = grpo.update(run.actor, run.ref, run.opt, samples, adv, cfg.grpo, pad_id=pad,
                              device=device, temperature=cfg.rollout.temperature,
                              max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
-                             seed=rollout.seed_from(cfg.train.seed, step, run.rank), teacher=top)
+                             seed=rollout.seed_from(cfg.train.seed, step, first), teacher=top)
     run.sched.step()
     run.step = step
     # the passes before the update's own: the old policy's and the reference's, the teacher's

@@ -73,3 +73,11 @@ def test_weight_sync_bench_on_a_mixture_of_experts():
     assert row["params_m"] > 0 and row["gb"] > 0
     for key in ("ratio", "unit_ratio", "per_expert_ratio"):
         assert row[key] > 0, row
+
+
+def test_seq_parallel_bench_halves_the_activations():
+    """bench/seq_parallel.py, small: a 512-token row at sp 1 and 2 on 2 ranks; each rank keeps
+    fewer activations at sp 2 (the exact ratio is the bench's to print)."""
+    out = launch(["bench/seq_parallel.py", "--tokens", "512", "--layers", "2", "--repeats", "1"])
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert 0 < row["activation_ratio"] < 0.8, row

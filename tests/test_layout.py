@@ -22,13 +22,15 @@ ALLOWED = {
     "tracking": {"domains"},
     "offload": {"npu_ops"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
-    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe"}, "checkpoint": {"npu_ops"},
+    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel"},
+    "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains", "checkpoint"},  # the engine, engine groups
     "partial": {"records", "rollout", "tracking"},  # carried groups across steps
     "weight_sync": {"npu_ops", "fsdp_utils", "offload"},  # the push, the engine's turn
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
-    "logprobs": {"moe"},  # the model's logprobs: packing, the output layer
+    "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
+    "logprobs": {"moe", "seq_parallel"},  # the model's logprobs: packing, the output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "moe", "tracking", "domains"},
     # on-policy distillation: the teacher, its pass, per-token advantages
@@ -41,7 +43,8 @@ ALLOWED = {
                "fsdp_utils", "grpo", "distill", "moe"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains", "records", "partial", "evaluation", "sampler", "distill"},
+                   "domains", "records", "partial", "evaluation", "sampler", "distill",
+                   "seq_parallel"},
 }
 
 # A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.

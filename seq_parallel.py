@@ -1,0 +1,141 @@
+"""Ulysses sequence parallelism for attention (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv
+2309.14509): the ranks of a sequence-parallel group each hold 1/sp of a packed row's tokens;
+around attention, one all-to-all gives each rank every token for 1/sp of the heads, attention
+runs on whole samples, and a second all-to-all gives each rank its own tokens back, all heads.
+
+This module holds the attention side only: `attention(inner, group)`, a transformers attention
+function around another (packed_sdpa, npu_ops.fusion_attention), and the all-to-alls with their
+gradients. It is not wired into the update yet (model.sp_size does not exist): the micro-batch's
+split of a row, the loss's sums over the group and the data split are the rest of that work.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over `group` of x (sp, ...): block j goes to rank j, block r of the
+    result came from rank r. Its gradient is the same exchange of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single into a fresh contiguous tensor (a gradient may arrive as a strided
+    view, and empty_like would keep its strides: the collective writes memory in order)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(1, H, n, d) this rank's n tokens, every head -> (1, H / sp, sp * n, d) every rank's
+    tokens in rank order, this rank's H / sp heads (rank r: heads r * H / sp onwards)."""
+    sp = dist.get_world_size(group)
+    _, h, n, d = x.shape
+    blocks = x.reshape(sp, h // sp, n, d)  # block j: the heads rank j takes
+    got = _AllToAll.apply(blocks, group)  # block r: rank r's tokens, my heads
+    return got.transpose(0, 1).reshape(1, h // sp, sp * n, d)
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(1, sp * n, H / sp, d) every token, this rank's heads -> (1, n, H, d) this rank's n
+    tokens, every head: heads_to_sequence undone, in the (batch, tokens, heads, dim) layout
+    transformers' attention functions return."""
+    sp = dist.get_world_size(group)
+    _, total, h, d = x.shape
+    n = total // sp
+    blocks = x.reshape(sp, n, h, d)  # block j: rank j's tokens
+    got = _AllToAll.apply(blocks, group)  # block r: my tokens, rank r's heads
+    return got.transpose(0, 1).reshape(1, n, sp * h, d)
+
+
+def replicated_kv(key: torch.Tensor, value: torch.Tensor, heads: int, sp: int):
+    """Key and value heads repeated so that sp divides their count and it still divides the
+    query's `heads` (grouped-query attention with fewer KV heads than ranks): each KV head r
+    times in a row, r = sp / gcd(kv heads, sp), which keeps every query head's KV head."""
+    kv = key.shape[1]
+    r = sp // math.gcd(kv, sp)
+    if heads % (kv * r):
+        raise ValueError(f"sequence parallel over {sp} ranks: {heads} query heads and {kv} KV "
+                         f"heads cannot split evenly (KV heads x {r} must divide the query "
+                         "heads). Fix: another model.sp_size")
+    if r == 1:
+        return key, value
+    return key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
+
+
+def attention(inner, group):
+    """A transformers attention function: `inner` (query (1, H, N, d) of a packed row, its
+    boundaries in position_ids / cu_seq_lens_q / max_length_q) run on every token of the row for
+    H / sp heads, where each rank of `group` holds n = N / sp of the row's tokens in rank order.
+    The boundaries passed to it must be the whole row's (`row` keyword: position_ids,
+    cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k of the whole row), given by the
+    caller; the query, key and value it gets are this rank's tokens."""
+
+    def forward(module, query, key, value, attention_mask, row=None, **kwargs):
+        sp, heads = dist.get_world_size(group), query.shape[1]
+        if heads % sp:
+            raise ValueError(f"sequence parallel over {sp} ranks: {heads} attention heads do "
+                             "not split evenly. Fix: an sp size that divides the heads")
+        key, value = replicated_kv(key, value, heads, sp)
+        q, k, v = (heads_to_sequence(x, group) for x in (query, key, value))
+        out, _ = inner(module, q, k, v, attention_mask, **{**kwargs, **(row or {})})
+        return sequence_to_heads(out, group), None
+
+    return forward
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's place in its sequence-parallel group: the group, its rank there, its size."""
+    group: object
+    rank: int
+    size: int
+
+
+_SPLITS: dict = {}
+
+
+def split(sp: int) -> Split | None:
+    """The sequence-parallel group of this rank: sp consecutive ranks (every rank makes every
+    group, in order, the first time); None for sp 1."""
+    if sp == 1:
+        return None
+    if sp not in _SPLITS:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for first in range(0, world, sp):
+            group = dist.new_group(list(range(first, first + sp)))
+            if first <= rank < first + sp:
+                _SPLITS[sp] = Split(group, rank - first, sp)
+    return _SPLITS[sp]
+
+
+def gather_tokens(x: torch.Tensor, bounds: list, where: Split) -> torch.Tensor:
+    """Each rank's (K_r, ...) values of one micro-batch's tokens, K_r = bounds[r + 1] -
+    bounds[r] (every rank knows them), concatenated in rank order: (K, ...), one all-gather."""
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    most = max(sizes)
+    padded = x.new_zeros((most, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=where.group)
+    return torch.cat([p[:k] for p, k in zip(parts, sizes)])
+
+
+def gather_samples(items: list, where: Split) -> list:
+    """Every rank's list of the group, concatenated in rank order (host objects)."""
+    got = [None] * where.size
+    dist.all_gather_object(got, items, group=where.group)
+    return [x for part in got for x in part]

@@ -1,0 +1,81 @@
+"""2 ranks, fp64: the update's forward and backward with model.sp_size=2 (each rank half of
+every packed row, Ulysses attention) against sp_size=1 on the same samples (both ranks holding
+all of them): each sample's logprobs, the loss, the entropy and the clipped tokens summed over
+the ranks, and every parameter's gradient, gathered whole; with per-token options, and with the
+sequence-level ones (seq_mask / seq_truncate weights, GSPO's ratio, the off-policy mask: every
+token's logprobs gathered in the group first). Then the old policy's pass.
+Samples: five, 67 tokens in all, three micro-batches whose packed rows split mid-sample and one
+of odd length; an episode whose environment wrote 3 of its tokens. MODEL_DIR: a Qwen2 with 4
+query heads and KV_HEADS key/value heads (1: fewer than the ranks, replicated).
+Prints SP_PARITY_OK.
+Usage: torchrun --nproc_per_node 2 tests/workers/sp_parity.py MODEL_DIR
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp_utils
+import grpo
+import logprobs
+from records import Sample
+from train_grpo import init_distributed, load_config
+
+model_dir = sys.argv[1]
+rank, world = init_distributed()
+mesh = init_device_mesh("cpu", (world,))
+BASE = ["--grpo.micro_batch_tokens=32", "--grpo.logprob_chunk=8", "--grpo.is_correction=none"]
+cfg = load_config(None, BASE).grpo
+g = torch.Generator().manual_seed(0)
+samples = []
+for prompt, response in ((3, 8), (7, 10), (2, 5), (9, 12), (4, 7)):
+    s = Sample(torch.randint(2, 15, (prompt,), generator=g).tolist(),
+               torch.randint(2, 15, (response,), generator=g).tolist(), [], False)
+    s.logp = (-torch.rand(response, generator=g, dtype=torch.float64)).tolist()
+    samples.append(s)
+samples[3].mask = [1] * 4 + [0] * 3 + [1] * 5  # an environment's three tokens
+adv = torch.tensor([0.5, -1.0, 0.25, 1.5, -0.75], dtype=torch.float64)
+CASES = {  # the loss's options; old: an old policy's logprobs given (off-policy) or not
+    "token": ([], False),
+    "sequence, on-policy": (["--grpo.is_correction=seq_truncate",
+                             "--grpo.off_policy_delta=0.05"], False),
+    "sequence, off-policy": (["--grpo.policy_loss=gspo", "--grpo.loss_agg=seq_mean",
+                              "--grpo.is_correction=seq_mask", "--grpo.off_policy_delta=0.05"],
+                             True)}
+old_logp = [torch.tensor(s.logp) - 0.1 * torch.rand(len(s.logp), generator=g, dtype=torch.float64)
+            for s in samples]
+got = {}
+for sp in (1, 2):
+    spec = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float64", reduce_dtype="float64",
+                                  attn_implementation="sdpa", sp_size=sp)
+    actor = fsdp_utils.build_actor(spec, mesh)
+    plan = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, actor.config)
+    rows = [sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx)
+            for idx in plan]
+    assert len(plan) == 3 and any(r % 2 for r in rows), rows  # a row padded to a multiple of 2
+    for case, (options, off) in CASES.items():
+        c = load_config(None, [*BASE, *options]).grpo
+        actor.zero_grad(set_to_none=True)
+        logp, stats = grpo.accumulate_gradients(actor, samples, adv, old_logp if off else None,
+                                                None, c, 0, "cpu", 0.7, 16)
+        sums = torch.stack([stats["loss"], stats["entropy"], stats["clipped"]])
+        dist.all_reduce(sums)
+        grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
+        got[sp, case] = (logp, sums, grads)
+    got[sp, "old"] = logprobs.sample_logprobs(actor, samples, cfg, 0, "cpu", 0.7)
+assert all((a - b).abs().max() < 1e-12 for a, b in zip(got[1, "old"], got[2, "old"]))
+for case in CASES:
+    (l1, s1, g1), (l2, s2, g2) = got[1, case], got[2, case]
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(l1, l2)), (case, "logprobs")
+    assert abs(s1[0] - s2[0]) <= 1e-12 * abs(s1[0]), (case, s1, s2)  # the loss, each token once
+    assert abs(s1[1] / 2 - s2[1]) <= 1e-12 * abs(s2[1]), (case, s1, s2)  # sp 1: all tokens twice
+    assert s1[2] / 2 == s2[2], (case, s1, s2)  # clipped tokens
+    for name in g1:
+        scale = g1[name].abs().max()
+        assert scale > 0, (case, name)
+        assert (g1[name] - g2[name]).abs().max() <= 1e-9 * scale, (case, name)
+    print(f"rank {rank}: {case}: sp 2 equals sp 1", flush=True)
+dist.destroy_process_group()
+print("SP_PARITY_OK")
