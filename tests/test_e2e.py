@@ -264,7 +264,7 @@ def test_tensor_parallel_episodes_answer_once_per_engine(tiny_task_dir, tmp_path
 
 
 @pytest.mark.engine
-@pytest.mark.main_only  # vLLM 0.32's mixture-of-experts reload (rollout._moe_prepacked_on_update)
+@pytest.mark.main_only  # the npu-engine lane runs the MoE round trip (tests/test_engine_sync.py)
 def test_a_mixture_of_experts_trains(tmp_path):
     """configs/moe_cpu.yaml, shortened: the run creates its tiny Qwen3-MoE task, and every
     step's engine logprobs equal the trainer's (the experts pushed in place each step), as the
@@ -279,3 +279,20 @@ def test_a_mixture_of_experts_trains(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > 2 * first, (first, last)
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the npu-stack lanes run the fp64 parity (tests/test_seq_parallel.py)
+def test_sequence_parallel_trains(tiny_task_dir, tmp_path):
+    """configs/tiny_cpu.yaml at model.sp_size=2, shortened: both ranks train the union of their
+    engines' samples, half of every packed row each; every step's engine logprobs equal the
+    trainer's (gathered over the pair) and the reward rises."""
+    launch(["train_grpo.py", "--config", "configs/tiny_cpu.yaml", "--train.steps=40",
+            f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}",
+            "--log.eval_every=0", "--model.sp_size=2"], timeout=900)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 40 and all(r["logp_gap"] < 1e-4 for r in rows), rows[-1]
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > 2 * first, (first, last)
+
