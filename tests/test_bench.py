@@ -64,6 +64,8 @@ def test_partial_bench_runs_both_ways_on_the_same_lengths():
     assert on["samples_carried"] > 0 and on["dropped"] == 0 and 0 <= on["stale_token_share"] <= 1
 
 
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
 def test_weight_sync_bench_on_a_mixture_of_experts():
     """bench/weight_sync.py --experts, small: a random Qwen3-MoE pushed both ways and with each
     expert split out (rollout.per_expert), each against the floor."""
@@ -75,6 +77,7 @@ def test_weight_sync_bench_on_a_mixture_of_experts():
         assert row[key] > 0, row
 
 
+@pytest.mark.main_only  # the bench script's own plumbing (no engine)
 def test_seq_parallel_bench_halves_the_activations():
     """bench/seq_parallel.py, small: a 512-token row at sp 1 and 2 on 2 ranks; each rank keeps
     fewer activations at sp 2 (the exact ratio is the bench's to print)."""
