@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import os
 import typing
 
@@ -28,6 +27,7 @@ import npu_ops
 import offload
 import partial
 import rewards
+import seq_parallel
 
 
 class BadInput(ValueError):
@@ -378,12 +378,13 @@ def check_host_memory(cfg, world_size: int) -> None:
 def _check_heads_and_experts(cfg, text: dict) -> None:
     """model.sp_size against the model's attention heads, and the options of a mixture of
     experts against a model that has experts (text: its config.json's language part)."""
-    heads, sp = text.get("num_attention_heads"), cfg.model.sp_size
-    kv = text.get("num_key_value_heads") or heads
-    if sp > 1 and heads and (heads % sp or heads % (kv * (sp // math.gcd(kv, sp)))):
-        raise BadInput(f"config: model.sp_size={sp}: the model's {heads} attention heads and "
-                       f"{kv} KV heads do not split over it (seq_parallel.replicated_kv). Fix: "
-                       "an sp_size that divides the heads")
+    heads = text.get("num_attention_heads")
+    if cfg.model.sp_size > 1 and heads:
+        try:
+            seq_parallel.kv_copies(heads, text.get("num_key_value_heads") or heads,
+                                   cfg.model.sp_size)
+        except ValueError as e:
+            raise BadInput(f"config: {e}") from None
     for field_name, on in (("model.routing_replay", cfg.model.routing_replay),
                            ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
         if on and not moe.is_moe(text):

@@ -48,7 +48,7 @@ class RouterStats:
     """What the routers did over the positions `valid` marks, summed over forwards: per layer,
     the positions each expert took (load, (L, E)), the sum of the routers' entropy (nats) and the
     positions counted; with given routing, the positions whose own top k (as a set) differs from
-    the given one. Tensors stay on the device until `metrics`."""
+    the given one. Tensors stay on the device until `totals`."""
     load: list = field(default_factory=list)
     entropy: list = field(default_factory=list)
     positions: list = field(default_factory=list)

@@ -501,7 +501,7 @@ def _check_version() -> None:
     only the versions in TESTED_VLLM, the first use logged."""
     import vllm
 
-    version = ".".join(vllm.__version__.split(".")[:2])
+    version = _minor(vllm.__version__)
     if version not in TESTED_VLLM:
         raise RuntimeError(
             f"vLLM {vllm.__version__} is untested for in-place weight sync (tested: "
@@ -518,8 +518,13 @@ def as_vllm_loads(named_tensors):
     expert (per_expert) unless its version is in FUSED_EXPERTS_VLLM."""
     import vllm
 
-    fused = ".".join(vllm.__version__.split(".")[:2]) in FUSED_EXPERTS_VLLM
-    return named_tensors if fused else per_expert(named_tensors)
+    return (named_tensors if _minor(vllm.__version__) in FUSED_EXPERTS_VLLM
+            else per_expert(named_tensors))
+
+
+def _minor(version: str) -> str:
+    """"0.32" of "0.32.0" (or "0.32.0+cpu"): the key of TESTED_VLLM and FUSED_EXPERTS_VLLM."""
+    return ".".join(version.split(".")[:2])
 
 
 def per_expert(named_tensors):

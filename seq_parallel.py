@@ -61,16 +61,23 @@ def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     return got.transpose(0, 1).reshape(1, n, sp * h, d)
 
 
+def kv_copies(heads: int, kv: int, sp: int) -> int:
+    """How many times each of `kv` key/value heads is repeated for sp ranks to split them with
+    the `heads` query heads: r = sp / gcd(kv, sp), the least that lets sp divide kv x r. A
+    one-line ValueError where sp does not divide the query heads, or kv x r does not."""
+    r = sp // math.gcd(kv, sp)
+    if heads % sp or heads % (kv * r):
+        raise ValueError(f"model.sp_size={sp}: the model's {heads} attention heads and {kv} KV "
+                         "heads do not split over it (each KV head repeated "
+                         f"{r} times must divide the heads). Fix: an sp_size that divides them")
+    return r
+
+
 def replicated_kv(key: torch.Tensor, value: torch.Tensor, heads: int, sp: int):
     """Key and value heads repeated so that sp divides their count and it still divides the
-    query's `heads` (grouped-query attention with fewer KV heads than ranks): each KV head r
-    times in a row, r = sp / gcd(kv heads, sp), which keeps every query head's KV head."""
-    kv = key.shape[1]
-    r = sp // math.gcd(kv, sp)
-    if heads % (kv * r):
-        raise ValueError(f"sequence parallel over {sp} ranks: {heads} query heads and {kv} KV "
-                         f"heads cannot split evenly (KV heads x {r} must divide the query "
-                         "heads). Fix: another model.sp_size")
+    query's `heads` (grouped-query attention with fewer KV heads than ranks): each KV head
+    kv_copies times in a row, which keeps every query head's KV head."""
+    r = kv_copies(heads, key.shape[1], sp)
     if r == 1:
         return key, value
     return key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
@@ -85,11 +92,7 @@ def attention(inner, group):
     caller; the query, key and value it gets are this rank's tokens."""
 
     def forward(module, query, key, value, attention_mask, row=None, **kwargs):
-        sp, heads = dist.get_world_size(group), query.shape[1]
-        if heads % sp:
-            raise ValueError(f"sequence parallel over {sp} ranks: {heads} attention heads do "
-                             "not split evenly. Fix: an sp size that divides the heads")
-        key, value = replicated_kv(key, value, heads, sp)
+        key, value = replicated_kv(key, value, query.shape[1], dist.get_world_size(group))
         q, k, v = (heads_to_sequence(x, group) for x in (query, key, value))
         out, _ = inner(module, q, k, v, attention_mask, **{**kwargs, **(row or {})})
         return sequence_to_heads(out, group), None

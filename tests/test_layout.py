@@ -40,7 +40,7 @@ ALLOWED = {
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
-               "fsdp_utils", "grpo", "distill", "moe"},
+               "fsdp_utils", "grpo", "distill", "moe", "seq_parallel"},
     "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "records", "partial", "evaluation", "sampler", "distill",
