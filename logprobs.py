@@ -174,9 +174,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
     # position p - 1 + j of sample i predicts its response token j (p: its prompt's length)
     rows = (starts + prompt - 1)[seq] + col
     positions = inputs["input_ids"].numel()
-    real = torch.zeros(positions, dtype=torch.bool)
-    real[torch.repeat_interleave(starts, lens) + torch.arange(int(lens.sum()))
-         - torch.repeat_interleave(lens.cumsum(0) - lens, lens)] = True
+    real = (torch.ones(positions, dtype=torch.bool) if packed  # a packed row has no padding
+            else (torch.arange(ids.shape[1])[None] < lens[:, None]).reshape(-1))
     if getattr(config, "model_type", None) in PREPARED_MASKS:
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
     written = torch.tensor([float(m) for s in samples
