@@ -6,6 +6,7 @@ import sys
 
 import npu_ops  # noqa: F401, I001  (first: the platform environment before torch loads)
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_utils
@@ -34,4 +35,6 @@ for lora_rank in (3, 1):
     pairs = weight_sync.full_adapters(actor, torch.float32, stats)
     assert len(pairs) == len(weights) // 2 and stats["bytes"] == 4 * sum(w.numel() for w in weights)
     print(f"rank {rank}, adapters of rank {lora_rank}: {len(weights)} tensors, {rows} rows of A")
+# torn down here, not at interpreter exit: torch 2.10 once aborted there with the group still up
+dist.destroy_process_group()
 print("ADAPTER_GATHER_OK")
