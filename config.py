@@ -247,6 +247,7 @@ def validate(cfg, world_size: int) -> None:
     _check_sizes(cfg, world_size)
     _check_experts(cfg)
     _check_sequence_parallel(cfg, world_size)
+    _check_agent(cfg)
     r = cfg.rollout
     try:  # the other modules' own checks of their sections, each a one-line ValueError
         kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
@@ -275,6 +276,17 @@ def _check_experts(cfg) -> None:
           "model.routing_replay=true with episodes (env.name) or partial rollout: a sample "
           "written over several engine calls carries no routing yet. Fix: "
           "model.routing_replay=false, or one-turn samples")
+
+
+def _check_agent(cfg) -> None:
+    """env.kind agent with the rest of the run (its own fields: episodes.validate)."""
+    if cfg.env.kind != "agent":
+        return
+    _need("agent" in cfg.reward.funcs, f"env.kind=agent with reward.funcs={cfg.reward.funcs}: "
+          "the agent's returned reward is the reward named `agent`. Fix: add agent to "
+          "reward.funcs, e.g. reward.funcs=[agent]")
+    _need(not cfg.rollout.partial.enabled, "env.kind=agent with rollout.partial.enabled=true: "
+          "an agent's calls do not carry over steps yet. Fix: rollout.partial.enabled=false")
 
 
 def _check_sequence_parallel(cfg, world_size: int) -> None:

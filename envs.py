@@ -14,6 +14,9 @@ This module is what the environment worker imports (with the plugins named in th
 keeps to the standard library.
 """
 
+import inspect
+import json
+import math
 import re
 
 import plugins
@@ -63,3 +66,64 @@ def as_reply(value) -> dict | None:
             and isinstance(value.get("content"), str)):
         return {"role": value["role"], "content": value["content"]}
     raise TypeError(f"returned {value!r}: not text, a {{'role', 'content'}} message or None")
+
+
+# ----------------------------------------------------------------------------------------------
+# agents (env.kind "agent", agents.py): an async function that talks to the rollout's
+# OpenAI-compatible endpoint, and the tool-call formats the endpoint parses
+
+AGENT_SIGNATURE = "async def agent(base_url: str, example: dict) -> float | tuple[float, dict]"
+
+
+def resolve_agent(spec: str):
+    """The agent `spec` names (module:function or file.py:function), an `async def` one; raises
+    a one-line ValueError naming env.name."""
+    fn = plugins.resolve(spec, "env.name", {}, AGENT_SIGNATURE)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"env.name: {spec!r} is not an `async def` function; env.kind agent "
+                         f"runs `{AGENT_SIGNATURE}`. Fix: make it async (an OpenAI client's "
+                         "AsyncOpenAI calls), or use env.kind function")
+    return fn
+
+
+def as_outcome(value) -> tuple[float, dict | None]:
+    """An agent's return as (reward, info): a finite number, or (number, dict); anything else
+    is the agent's failure."""
+    reward, info = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    if (isinstance(reward, bool) or not isinstance(reward, (int, float))
+            or not math.isfinite(reward) or not (info is None or isinstance(info, dict))):
+        raise TypeError(f"returned {value!r}: not a finite reward, nor (reward, dict)")
+    return float(reward), info
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def hermes(text: str, tools: list[dict]) -> tuple[str, list[dict]]:
+    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the
+    Hermes format: Qwen2.5's and Qwen3's chat templates). Returns the text without them and
+    each call as {"name", "arguments": a JSON string}. A block that is not such JSON stays in
+    the text: the agent sees what the model wrote."""
+    calls, kept = [], text
+    for block in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(block.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, TypeError, KeyError):
+            continue
+        if not isinstance(name, str):
+            continue
+        calls.append({"name": name, "arguments": arguments if isinstance(arguments, str)
+                      else json.dumps(arguments, ensure_ascii=False)})
+        kept = kept.replace(block.group(0), "", 1)
+    return (kept.strip() if calls else text), calls
+
+
+TOOL_PARSERS = {"hermes": hermes}
+TOOL_PARSER_SIGNATURE = "def parse(text: str, tools: list[dict]) -> tuple[str, list[dict]]"
+
+
+def resolve_tool_parser(spec: str):
+    """The tool-call parser `spec` names (a TOOL_PARSERS key, module:function or
+    file.py:function); raises a one-line ValueError naming env.tool_parser."""
+    return plugins.resolve(spec, "env.tool_parser", TOOL_PARSERS, TOOL_PARSER_SIGNATURE)

@@ -41,8 +41,15 @@ log = logging.getLogger("grpo")
 
 @dataclass
 class EnvConfig:
-    # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn
+    # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn; with kind
+    #   agent, the agent: an `async def` mod:fn or file.py:fn (envs.AGENT_SIGNATURE)
     name: Annotated[str, Anything("validate resolves it", refused=("nope",))] = ""
+    # "function": the trainer calls `name` after each model turn (envs.py); "agent": `name` is
+    #   an agent that calls an OpenAI-compatible endpoint over the engine (agents.py)
+    kind: Annotated[str, OneOf("function", "agent")] = "function"
+    # kind agent: how the model's text becomes tool_calls: a built-in (envs.TOOL_PARSERS: hermes,
+    #   Qwen's <tool_call>{json}</tool_call>), mod:fn or file.py:fn
+    tool_parser: Annotated[str, Anything("validate resolves it", refused=("nope",))] = "hermes"
     max_turns: Annotated[int, Range(1)] = 2  # model turns per episode
     # tokens after the prompt (model and environment); each turn also stops at
     #   rollout.max_new_tokens
@@ -68,10 +75,16 @@ class EnvConfig:
 def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:
     """Check the `env:` section before any model loads (the environment resolves here). Raises
     a one-line ValueError naming the field."""
+    envs.resolve_tool_parser(cfg.tool_parser)  # (a typo fails whatever the kind)
     if not cfg.name:
+        if cfg.kind == "agent":
+            raise ValueError("env.kind=agent with no env.name: name the agent. Fix: "
+                             "env.name=path/to/file.py:agent")
         return
-    fn = envs.resolve(cfg.name)  # (each field's range: its domain, checked by config.validate)
-    if fn is envs.python_tool:  # the model's code: no run without file and network isolation
+    if cfg.kind == "agent":  # an async def
+        envs.resolve_agent(cfg.name)
+    elif envs.resolve(cfg.name) is envs.python_tool:  # (each field's range: its domain, checked
+        #   by config.validate) the model's code: no run without file and network isolation
         for gone in sandbox.check(cfg.unsafe_ok):  # (unless env.unsafe_ok), the rest said here
             log.warning("env python: the sandbox of the model's code lacks %s", gone)
     if max_prompt_len + cfg.max_tokens > max_model_len:
@@ -111,23 +124,28 @@ class Replies:
         return self.tokenizer(text, add_special_tokens=False,
                               split_special_tokens=as_text)["input_ids"]
 
-    def tokens(self, message: dict, last_token: int | None) -> list[int]:
+    def tokens(self, messages: list[dict], last_token: int | None) -> list[int]:
         """The tokens that follow a model turn which ended with `last_token` (its stop token;
-        None for a turn cut at its length limit): the chat `message` (self.message), as text,
-        and with a template the turn boundaries around it, with their special tokens."""
+        None for a turn cut at its length limit): the chat `messages` (self.message), each one's
+        content as text, and with a template the turn boundaries around them, with their special
+        tokens, up to the opening of the next assistant turn (consecutive messages rendered
+        together: a template may join them, as Qwen's joins tool outputs into one turn)."""
         if not self.chat:
-            return self.encode(message["content"], as_text=True)
-        full = self.render(self.prefix + [{**message, "content": self.MARK}],
+            return [t for m in messages for t in self.encode(m["content"], as_text=True)]
+        full = self.render(self.prefix + [{**m, "content": self.MARK} for m in messages],
                            generation_prompt=True)
-        if full.count(self.MARK) != 1 or full.count(self.TURN) != 1:
-            raise ValueError(f"the chat template renders a {message['role']!r} message's content "
-                             "other than once, as is: env.reply_role or the template")
-        before, after = full[full.index(self.TURN) + 1:].split(self.MARK)
+        if full.count(self.MARK) != len(messages) or full.count(self.TURN) != 1:
+            raise ValueError("the chat template renders a message's content other than once, "
+                             f"as is (roles {[m['role'] for m in messages]}): env.reply_role or "
+                             "the template")
+        pieces = full[full.index(self.TURN) + 1:].split(self.MARK)
         stop = "" if last_token is None else self.tokenizer.decode([last_token])
-        if stop and before.startswith(stop):  # the model wrote the end of its turn itself
-            before = before[len(stop):]
-        return (self.encode(before) + self.encode(message["content"], as_text=True)
-                + self.encode(after))
+        if stop and pieces[0].startswith(stop):  # the model wrote the end of its turn itself
+            pieces[0] = pieces[0][len(stop):]
+        ids = self.encode(pieces[0])
+        for m, after in zip(messages, pieces[1:]):
+            ids += self.encode(m["content"], as_text=True) + self.encode(after)
+        return ids
 
     def check(self, ids: list[int], messages: list[dict]) -> str | None:
         """None if `ids` (an episode's prompt and all after it) spell what the chat template
@@ -294,7 +312,7 @@ class EpisodeRunner:
                 e.limited = True  # the environment would go on: the turn limit ended it
             elif reply is not None:
                 reply = self.replies.message(reply)
-                ids = self.replies.tokens(reply, None if e.last.truncated
+                ids = self.replies.tokens([reply], None if e.last.truncated
                                           else e.last.response_ids[-1])
                 room = self.cfg.max_tokens - len(e.ids) - len(ids)
                 e.limited = room < 1  # no room for the reply and a turn: ends here

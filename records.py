@@ -26,10 +26,21 @@ class Sample:
     #   trained) that wrote each response token; None: all this step's
     routing: object = None  # model.routing_replay: the engine's experts at each position but the
     #   last, an array (prompt + response - 1, layers, k) (moe.given_routing); None: none
+    earlier: list | None = None  # an agent's episode (agents.py): its other samples (calls
+    #   that did not extend this one's tokens), trained with this one's advantage (with_earlier)
 
     @property
     def model_tokens(self) -> int:
         return len(self.response_ids) if self.mask is None else sum(self.mask)
+
+
+def with_earlier(samples: list, adv):
+    """`samples` with each one's earlier samples (Sample.earlier) before it, and `adv` (a (n,)
+    tensor) repeated to match: every sample of an agent's episode trains with its advantage."""
+    if not any(s.earlier for s in samples):
+        return samples, adv
+    idx = [i for i, s in enumerate(samples) for _ in range(1 + len(s.earlier or ()))]
+    return [x for s in samples for x in (*(s.earlier or ()), s)], adv[idx]
 
 
 def shown(examples: list[dict], texts: list[str]) -> list:
@@ -44,10 +55,13 @@ class EnvCalls:
     errors: int = 0
     timeouts: int = 0
     seconds: float = 0.0
+    calls: int = 0  # an agent's calls of the endpoint (agents.py)
+    rewrites: int = 0  # of those, the ones that started a new sample of their episode
 
     def __add__(self, other: "EnvCalls") -> "EnvCalls":
         return EnvCalls(self.errors + other.errors, self.timeouts + other.timeouts,
-                        self.seconds + other.seconds)
+                        self.seconds + other.seconds, self.calls + other.calls,
+                        self.rewrites + other.rewrites)
 
 
 @dataclass
@@ -118,7 +132,7 @@ class Rollout:
     def completions(self) -> list:
         return shown(self.examples, self.texts)
 
-    def metrics(self, group, env: bool) -> dict:
+    def metrics(self, group, env: bool, agent: bool = False) -> dict:
         """The rollout's part of the step's metrics (tracking.reduce): each generated sample
         counted once over its engine group's ranks (rank tp_rank takes every size-th), and each
         count of the engine group once (its first rank). group: rollout.EngineGroup."""
@@ -140,4 +154,7 @@ class Rollout:
                      env_time_s=self.env.seconds, env_errors=Sum(first * self.env.errors),
                      env_timeouts=Sum(first * self.env.timeouts),
                      limited_frac=Mean(sum(self.limited[tp_rank::tp]), n))
+        if agent:  # the agents' calls, and the share that started a new sample of an episode
+            m.update(agent_calls=Sum(first * self.env.calls),
+                     agent_rewrite_frac=Mean(first * self.env.rewrites, first * self.env.calls))
         return m

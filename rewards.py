@@ -111,7 +111,13 @@ def answer_format(completion: str, example: dict) -> float:
     return 0.0
 
 
-REWARDS = {"tiny_sum": tiny_sum, "gsm8k": gsm8k, "math": math, "format": answer_format}
+def agent(completion: str, example: dict) -> float:
+    """The reward an agent returned for its episode (env.kind agent, agents.py)."""
+    return example["agent_reward"]
+
+
+REWARDS = {"tiny_sum": tiny_sum, "gsm8k": gsm8k, "math": math, "format": answer_format,
+           "agent": agent}
 
 
 @dataclass

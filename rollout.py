@@ -214,10 +214,10 @@ class Engine:
         sampled tokens' logprobs as one flat list, no text (docs/engine.md, "Sampling")."""
         from vllm import SamplingParams
 
-        return SamplingParams(
-            n=n, temperature=0.0 if greedy else self.cfg.temperature,
-            top_p=1.0 if greedy else self.cfg.top_p, max_tokens=max_tokens, seed=seed,
-            logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=self.ignore_eos, **more)
+        return SamplingParams(**{  # (more may turn detokenize on: step_requests' stop strings)
+            "n": n, "temperature": 0.0 if greedy else self.cfg.temperature, "seed": seed,
+            "top_p": 1.0 if greedy else self.cfg.top_p, "max_tokens": max_tokens, "logprobs": 0,
+            "flat_logprobs": True, "detokenize": False, "ignore_eos": self.ignore_eos, **more})
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
                  seed: int | None = None,
@@ -376,6 +376,36 @@ class Engine:
             checkpoint.save_adapter(self.adapter.lora_path, layers, self.lora)
             self.llm.llm_engine.add_lora(self.adapter)
         self.llm.reset_prefix_cache()
+
+
+def step_requests(engine: Engine, adds: list, greedy: bool = False) -> list:
+    """Requests served one engine step at a time (agents.py's endpoint): add `adds`, [(request
+    id, prompt ids, max_tokens, seed or None, stop strings or None)], n=1 each, then run one
+    engine step. Returns the requests that ended in it: (request id, token ids, the engine's
+    logprob of each, "stop" | "length"). The ranks of an engine group call it with the same adds,
+    step for step, as they would generate. (vLLM 0.23, 0.32 v1/engine/llm_engine.py add_request,
+    step; a stop string needs the text: detokenize on for those requests only.)"""
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    llm_engine = engine.llm.llm_engine
+    for rid, prompt, max_tokens, seed, stop in adds:
+        more = {"stop": stop, "detokenize": True} if stop else {}
+        llm_engine.add_request(rid, tokens_input(list(prompt)), engine.sampling(
+            1, max_tokens, greedy, seed, output_kind=RequestOutputKind.FINAL_ONLY, **more),
+            lora_request=engine.adapter)
+    ended = []
+    if llm_engine.has_unfinished_requests():
+        for o in llm_engine.step():  # (FINAL_ONLY: the requests that ended in this step)
+            c = o.outputs[0]
+            ended.append((o.request_id, *_checked(c.token_ids, c.logprobs.logprobs),
+                          c.finish_reason))
+    return ended
+
+
+def abort_requests(engine: Engine) -> None:
+    """End every request still in the engine (step_requests' callers, when they stop)."""
+    _abort_unfinished(engine.llm)
 
 
 def _samples(prompt_ids: list, outs: list) -> list:

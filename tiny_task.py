@@ -38,6 +38,31 @@ def train_tokenizer(corpus: list[str]):
                                    unk_token="<unk>")
 
 
+# The chat form of the tiny tokenizer (ensure_tiny_task(chat=True)): a special token per role,
+# each message ended by <eos>, and a tool call written as <tool_call>EXPRESSION</tool_call> (two
+# added tokens around the characters the tokenizer has)
+CHAT_ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|' + m['role'] + '|>' + (m['content'] or '') -}}"
+    "{%- for c in m.get('tool_calls') or [] -%}"
+    "{%- set a = c['function']['arguments'] -%}"
+    "{{- '<tool_call>' + (a['expression'] if a is mapping else a) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<eos>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}")
+
+
+def chat_tokenizer(tok):
+    """`tok` (train_tokenizer's) with the chat roles, the tool-call tags and CHAT_TEMPLATE."""
+    tok.add_special_tokens({"additional_special_tokens": CHAT_ROLES})
+    tok.add_tokens(TOOL_TAGS)  # not special: a decoded turn keeps them, for the parser
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, arch: str = "qwen2"):
     """A random-init Qwen2 (or Qwen3, or Qwen3-MoE, for tests) small enough for CPU, shaped so
     vLLM accepts it. The MoE's experts are 2 x 192 rows by 128: no expert matrix is square, so a
@@ -66,8 +91,9 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
     return model
 
 
-def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2") -> str:
+def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool = False) -> str:
     """Create the tiny model, tokenizer and prompt files under `root` if missing; return `root`.
+    chat: the tokenizer in its chat form (chat_tokenizer).
 
     Safe to call from every rank: each file is written to a temporary name and renamed, and a
     complete task is marked by `root/READY`.
@@ -82,6 +108,8 @@ def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2") -> str:
         with open(os.path.join(tmp, name), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
     tok = train_tokenizer([r["prompt"] + r["answer"] for r in rows])
+    if chat:
+        tok = chat_tokenizer(tok)
     model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed, arch)
     model.save_pretrained(os.path.join(tmp, "model"))
     tok.save_pretrained(os.path.join(tmp, "model"))

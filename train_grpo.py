@@ -37,6 +37,7 @@ import npu_ops  # first: it sets the Ascend environment before torch (and its ba
 import torch
 import torch.distributed as dist
 
+import agents
 import checkpoint
 import config
 import data
@@ -230,7 +231,8 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
 
     if cfg.data.tiny_task_dir:
         if rank == 0:
-            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir, arch=cfg.data.tiny_task_arch)
+            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir, arch=cfg.data.tiny_task_arch,
+                                       chat=cfg.data.tiny_task_chat)
         dist.barrier()
     config.validate(cfg, world)
     config.check_model(cfg)
@@ -261,8 +263,11 @@ def build(run: Run) -> None:
     # TP size (0.32 platforms/cpu.py), which plugins.default_workers reads; no process starts
     # before the first call
     scorer = rewards.Scorer(cfg.reward, run.group)
-    runner = episodes.EpisodeRunner(cfg.env, run.tokenizer, cfg.data.chat_template,
-                                    cfg.data.prompt_key, cfg.rollout.max_new_tokens, run.group)
+    runner = (agents.AgentRunner(cfg.env, run.tokenizer, cfg.rollout.max_new_tokens,
+                                 cfg.rollout.max_model_len, cfg.model.path, run.group)
+              if cfg.env.kind == "agent" else  # an OpenAI-compatible endpoint, or the callback
+              episodes.EpisodeRunner(cfg.env, run.tokenizer, cfg.data.chat_template,
+                                     cfg.data.prompt_key, cfg.rollout.max_new_tokens, run.group))
     for what, worker in (("reward", scorer.worker), ("env", runner.worker)):
         if worker is not None:  # (workers 0: plugins.default_workers)
             log.info("%s calls: %s", what, "in this process" if worker.fns is not None
@@ -348,9 +353,9 @@ def train_step(run: Run, return_rollout: bool = False):
     # 3) update: this rank's share of them (partial rollout: rollout.partial.stale applied)
     t = time.perf_counter()
     mine = scored.trained[run.group.tp_rank::run.group.size]
-    samples = partial.for_update([ro.samples[i] for i in mine], step - 1,
-                                 cfg.rollout.partial.stale)
-    adv = torch.tensor(scored.adv)[mine]
+    samples, adv = records.with_earlier([ro.samples[i] for i in mine],  # (an agent's episode:
+                                        torch.tensor(scored.adv)[mine])  # each of its samples)
+    samples = partial.for_update(samples, step - 1, cfg.rollout.partial.stale)
     split, first = run.actor.sp, run.rank  # sequence parallel: the group trains the union of
     if split is not None:  # its ranks' shares, each rank 1/sp of every row's tokens
         both = seq_parallel.gather_samples(list(zip(samples, adv.tolist())), split)
@@ -386,7 +391,8 @@ def step_metrics(run: Run, ro: records.Rollout, scored: grpo.Scored, update: dic
     the engine's turn's, memory."""
     step = run.step
     metrics = tracking.reduce({
-        "step": step, **ro.metrics(run.group, bool(run.cfg.env.name)),
+        "step": step, **ro.metrics(run.group, bool(run.cfg.env.name),
+                                   run.cfg.env.kind == "agent"),
         **scored.metrics(run.group.first), **update, **run.sampler.metrics(samples, step - 1),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,

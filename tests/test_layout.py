@@ -37,11 +37,13 @@ ALLOWED = {
     "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
+    # agents that speak OpenAI: an endpoint over the engine, their calls as samples
+    "agents": {"envs", "episodes", "plugins", "records", "rollout"},
     "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
                "fsdp_utils", "grpo", "distill", "moe", "seq_parallel"},
-    "train_grpo": {"npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
+    "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "records", "partial", "evaluation", "sampler", "distill",
                    "seq_parallel"},
@@ -136,8 +138,9 @@ def test_no_product_function_only_tests_call():
                 named.add(node.id)
             elif isinstance(node, ast.Attribute):
                 named.add(node.attr)
+    hooks = {"do_GET", "do_POST", "log_message"}  # http.server calls them by name (agents.py)
     unused = {name: path for name, path in defined.items()
-              if name not in named and not name.startswith("__")}
+              if name not in named and not name.startswith("__") and name not in hooks}
     assert not unused, unused
 
 

@@ -1,0 +1,170 @@
+"""Agents that speak OpenAI (agents.py): the endpoint on the real engine with the real `openai`
+client (tests/workers/agent_endpoint.py), what it refuses, how between-turn messages become
+tokens, the agent's and the tool parser's contracts, the config's checks, and a short run of
+configs/agent_cpu.yaml."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import agents
+import envs
+import episodes
+import tiny_task
+from conftest import launch, run_python
+from test_templates import chat_tokenizer
+
+# the successor model's chain: what it writes after each token (greedy), everything else <eos>
+CHAIN = ["<|assistant|>", "<tool_call>", "1", "+", "2", "</tool_call>", "<eos>"]
+
+
+@pytest.fixture(scope="module")
+def successor_model(tmp_path_factory):
+    """The tiny chat tokenizer (tiny_task.chat_tokenizer) and a Qwen2 that writes
+    `<tool_call>1+2</tool_call><eos>` after every `<|assistant|>`: its layers add nothing (zero
+    output projections), so each position's logits are its own token's row of a table: the next
+    token of CHAIN 3 nats above the rest, plus noise, so that its logprobs are far from 0."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rows = tiny_task.make_prompts()
+    tok = tiny_task.chat_tokenizer(tiny_task.train_tokenizer([r["prompt"] + r["answer"]
+                                                              for r in rows]))
+    v, hidden = len(tok), 128
+    cfg = Qwen2Config(vocab_size=v, hidden_size=hidden, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    model = Qwen2ForCausalLM(cfg)
+    ids = tok.convert_tokens_to_ids(CHAIN)
+    nxt = {t: tok.eos_token_id for t in range(v)} | dict(zip(ids, ids[1:]))
+    table = torch.randn(v, v, generator=torch.Generator().manual_seed(0)) * 0.5
+    for t, u in nxt.items():
+        table[t, u] += 3.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, :v] = torch.eye(v)
+        model.lm_head.weight.zero_()  # the final norm scales a one-hot row by sqrt(hidden)
+        model.lm_head.weight[:, :v] = table.T / math.sqrt(hidden)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    path = str(tmp_path_factory.mktemp("successor"))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("ranks, tp", [(1, 1), (2, 2)], ids=["tp1", "tp2"])
+def test_the_openai_client_against_the_endpoint(successor_model, ranks, tp):
+    out = launch(["tests/workers/agent_endpoint.py", successor_model, str(tp)], nproc=ranks)
+    assert out.count("AGENT_ENDPOINT_OK") == ranks, out[-3000:]
+
+
+def test_tool_results_between_turns_render_as_the_template_joins_them():
+    """Two tool results after a model turn: Qwen2.5's template puts consecutive tool outputs in
+    one user turn, so they are rendered together, not one after the other."""
+    tok = chat_tokenizer("qwen2.5_style")
+    replies = episodes.Replies(tok, True, "user")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = replies.tokens([{"role": "tool", "content": "3"}, {"role": "tool", "content": "<|im_end|>"}],
+                         last_token=end)
+    assert tok.decode(ids) == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n"
+                               "<tool_response>\n<|im_end|>\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert ids.count(end) == 1  # the tool's printed marker stayed text
+
+
+@pytest.mark.parametrize("body, says", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n=0"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not text"),
+])
+def test_what_the_endpoint_refuses(body, says):
+    with pytest.raises(agents.BadCall, match=says) as e:
+        agents.parse_request(body)
+    assert e.value.status == 400 and "\n" not in str(e.value)
+
+
+def test_a_request_as_the_chat_template_takes_it():
+    body = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function",
+         "function": {"name": "calc", "arguments": "{\"b\": 1, \"a\": 2}"}}]}],
+        "max_completion_tokens": 5, "stop": "x", "temperature": 0.3, "n": 2}
+    req = agents.parse_request(body)
+    assert req.messages[0] == {"role": "user", "content": "1+2"}
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 1}
+    assert (req.n, req.max_tokens, req.stop, req.asked) == (2, 5, ["x"], {"temperature": 0.3})
+    # the same call as the client sends it back: its arguments' key order does not matter
+    again = json.loads(json.dumps(body))
+    again["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{\"a\": 2, \"b\": 1}"
+    again["messages"][1]["content"] = ""
+    assert agents.parse_request(again).history == req.history
+
+
+def test_hermes_tool_calls():
+    text = ('I will add.<tool_call>\n{"name": "calc", "arguments": {"x": "1+2"}}\n</tool_call>'
+            '<tool_call>not json</tool_call>')
+    content, calls = envs.hermes(text, [])
+    assert calls == [{"name": "calc", "arguments": '{"x": "1+2"}'}]
+    assert content == "I will add.<tool_call>not json</tool_call>"
+    assert envs.hermes("no call", []) == ("no call", [])
+
+
+@pytest.mark.parametrize("value, ok", [(1, (1.0, None)), (0.5, (0.5, None)),
+                                       ((1.0, {"k": 1}), (1.0, {"k": 1})), (True, None),
+                                       (float("nan"), None), ("1", None), ((1.0, 2), None)])
+def test_what_an_agent_may_return(value, ok):
+    if ok is None:
+        with pytest.raises(TypeError):
+            envs.as_outcome(value)
+    else:
+        assert envs.as_outcome(value) == ok
+
+
+def test_an_agent_must_be_async(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("def agent(base_url, example):\n    return 1.0\n")
+    with pytest.raises(ValueError, match="not an `async def`"):
+        envs.resolve_agent(f"{f}:agent")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--reward.funcs=[tiny_sum]"], "reward.funcs"),
+    (["--rollout.partial.enabled=true", "--rollout.partial.oversample=1.5"], "partial"),
+    (["--env.name=", "--env.tool_parser=hermes"], "env.name"),  # (hermes: no openai import)
+    (["--env.tool_parser=nope"], "env.tool_parser"),
+])
+def test_the_config_refuses_before_any_model_loads(tiny_task_dir, extra, says):
+    proc = run_python(["train_grpo.py", "--config", "configs/agent_cpu.yaml",
+                       f"--data.tiny_task_dir={tiny_task_dir}-chat", *extra])
+    assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
+    assert "Loading" not in proc.stderr and "vllm" not in proc.stderr.lower()
+
+
+@pytest.mark.engine
+@pytest.mark.main_only
+def test_agent_cpu_runs(tiny_task_dir, tmp_path):
+    """configs/agent_cpu.yaml, two ranks, a few steps: the agents call, tool calls come back as
+    turns, and the update trains on them."""
+    out = tmp_path / "run"
+    launch(["train_grpo.py", "--config", "configs/agent_cpu.yaml",
+            f"--data.tiny_task_dir={tiny_task_dir}-chat", "--train.steps=3",
+            "--grpo.prompts_per_step=16", "--log.eval_every=0", f"--log.out_dir={out}"],
+           timeout=900)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["agent_calls"] >= 16 * 8 and r["samples_trained"] > 0 for r in rows), rows
+    assert all(r["env_errors"] == 0 and r["env_timeouts"] == 0 for r in rows), rows
