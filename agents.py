@@ -30,11 +30,13 @@ sample's prompt (a call gets at most the room left, and rollout.max_new_tokens),
 per episode; a call past a limit is refused (HTTP 400) and its episode counted in limited_frac.
 An agent that raises, returns no number, is cut at its limit or never calls the endpoint fails
 its episode (env.on_failure). The run's sampling settings win over a call's (temperature, top_p,
-a longer max_tokens): the response's `overridden` says which it used.
+a longer max_tokens): the response's `overridden` says which it used. With partial rollout
+(PartialAgents) a call still in the engine at a step's end goes on in the next step.
 """
 
 import json
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -44,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import envs
 import episodes
+import partial
 import plugins
 import records
 import rollout
@@ -259,33 +262,41 @@ def parse_request(body: dict) -> Request:
 @dataclass
 class Segment:
     """One sample of an agent's episode as it grows: its prompt, and after it the completions
-    (mask 1, the engine's logprobs) and the messages between them (mask 0); `history`: the
-    messages (norm) that a call must start with to extend it, `tools` the tools it was
-    rendered with."""
+    (mask 1, the engine's logprobs, the weights version that wrote each token) and the messages
+    between them (mask 0); `history`: the messages (norm) that a call must start with to extend
+    it, `tools` the tools it was rendered with."""
     prompt_ids: list[int]
     ids: list[int]
     mask: list[int]
     logp: list[float]
+    versions: list[int]
     history: list = field(default_factory=list)
     tools: str = "[]"
     truncated: bool = False
     text: str = ""  # the last completion's content
 
-    def extended(self, between: list[int], ids: list[int], logp: list[float]) -> "Segment":
+    def extended(self, between: list[int], ids: list, logp: list, versions: list) -> "Segment":
         return Segment(self.prompt_ids, self.ids + between + ids,
                        self.mask + [0] * len(between) + [1] * len(ids),
-                       self.logp + [0.0] * len(between) + logp)
+                       self.logp + [0.0] * len(between) + logp,
+                       self.versions + self.versions[-1:] * len(between) + versions)
+
+    def sample(self, versions: bool) -> records.Sample:
+        return records.Sample(self.prompt_ids, self.ids, self.logp, self.truncated, self.mask,
+                              self.versions if versions else None)
 
 
 class Episode:
     """An agent's episode: its example, the key of its base URL, its samples that a call may
-    still extend (`open`), its calls, and whether a limit refused one."""
+    still extend (`open`), its calls, whether a limit refused one, and once its agent returned,
+    the outcome (plugins.Worker's: (reward, info), Failed or TimeoutError)."""
 
     def __init__(self, example: dict, index: int):
         self.example, self.index, self.key = example, index, secrets.token_hex(8)
         self.open: list[Segment] = []
         self.calls = self.rewrites = 0
-        self.limited, self.conversation = False, None
+        self.limited, self.conversation, self.outcome = False, None, None
+        self.done = self.dropped = False
 
     def prompt(self, req: Request, runner: "AgentRunner") -> tuple:
         """(the sample it extends or None, the tokens between, the call's prompt ids)."""
@@ -306,11 +317,11 @@ class Episode:
                                f"{plugins.one_line(e)}") from None
         return None, [], runner.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def record(self, base, between: list, prompt: list, req: Request, outs: list,
-               runner: "AgentRunner") -> list[dict]:
-        """The call's completions into its samples; returns each as a response message."""
-        messages, made = [], []
-        for ids, logp, how in outs:
+    def record(self, w: "Work", runner: "AgentRunner") -> list[dict]:
+        """A call's completions (w.written: ids, logprobs, versions; w.how: how each ended) into
+        its samples; returns each as a response message."""
+        messages, made, req = [], [], w.req
+        for (ids, logp, versions), how in zip(w.written, w.how):
             text = runner.tokenizer.decode(ids, skip_special_tokens=True)
             cut = [text.find(x) for x in req.stop or () if x in text] if how == "stop" else []
             text = text[:min(cut)] if cut else text  # the response leaves out a stop string,
@@ -318,22 +329,40 @@ class Episode:
             content, calls = runner.tool_calls(text, req) if req.parse_tools else (text, [])
             message = {"role": "assistant", "content": content or (None if calls else ""),
                        **({"tool_calls": calls} if calls else {})}
-            seg = (base.extended(between, ids, logp) if base is not None
-                   else Segment(list(prompt), list(ids), [1] * len(ids), list(logp)))
+            seg = (w.base.extended(w.between, ids, logp, versions) if w.base is not None
+                   else Segment(list(w.prompt), list(ids), [1] * len(ids), list(logp),
+                                list(versions)))
             seg.history, seg.tools = req.history + [norm(message)], json.dumps(req.tools,
                                                                                sort_keys=True)
             seg.truncated, seg.text = how == "length", content
             messages.append(message)
             made.append(seg)
-        self.open = [s for s in self.open if s is not base] + made
+        self.open = [s for s in self.open if s is not w.base] + made
         self.conversation = req.messages + messages[:1]
         return messages
 
-    def sample(self) -> records.Sample:
-        last, *_ = self.open[-1:]
-        return records.Sample(last.prompt_ids, last.ids, last.logp, last.truncated, last.mask,
-                              earlier=[records.Sample(s.prompt_ids, s.ids, s.logp, s.truncated,
-                                                      s.mask) for s in self.open[:-1]] or None)
+    def sample(self, versions: bool = False) -> records.Sample:
+        """Its newest sample, the others as its `earlier` ones."""
+        last = self.open[-1].sample(versions)
+        last.earlier = [s.sample(versions) for s in self.open[:-1]] or None
+        return last
+
+
+@dataclass
+class Work:
+    """A call in the engine: its episode, the sample it extends (or None) and the tokens between,
+    its prompt, request, room and `overridden`; per choice what the engine wrote so far (ids,
+    logprobs, versions: a choice cut at a step's end goes on in the next) and how it ended."""
+    episode: Episode
+    base: Segment | None
+    between: list
+    prompt: list
+    req: Request
+    limit: int
+    overridden: dict
+    written: list = field(default_factory=list)
+    how: list = field(default_factory=list)
+    call: Call | None = None  # the HTTP request that waits for the answer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,8 +371,9 @@ class Episode:
 
 class AgentRunner:
     """Runs a rollout's samples as agents' episodes (the module's docstring says how), with the
-    interface episodes.EpisodeRunner has for the sampler and eval: run() and close(). cfg: the
-    `env:` section; group: the rollout.EngineGroup, whose first rank alone serves."""
+    interface episodes.EpisodeRunner has for the sampler and eval: run() and close(); partial
+    rollout's collector is PartialAgents. cfg: the `env:` section; group: the
+    rollout.EngineGroup, whose first rank alone serves and runs the agents."""
 
     def __init__(self, cfg, tokenizer, max_new_tokens: int, max_model_len: int, model: str,
                  group=None):
@@ -355,42 +385,49 @@ class AgentRunner:
         self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
         self.replies = episodes.Replies(tokenizer, True, "user")
         self.parser = envs.resolve_tool_parser(cfg.tool_parser)
-        self.worker = None
-        if group is None or group.first:  # the agents run where the endpoint does
-            self.worker = plugins.Worker([cfg.name], envs.resolve_agent, envs.as_outcome,
-                                         cfg.timeout_s, "agent", cfg.workers, cfg.concurrency)
+        self.worker = self.new_worker() if group is None or group.first else None
+        self.idle = [self.worker] if self.worker is not None else []  # workers with no job
+
+    def new_worker(self) -> plugins.Worker:
+        """A worker for one job of agents (plugins.Worker: an event loop in a process of its own,
+        env.concurrency agents at once, each cut at env.timeout_s)."""
+        c = self.cfg
+        return plugins.Worker([c.name], envs.resolve_agent, envs.as_outcome, c.timeout_s,
+                              "agent", c.workers, c.concurrency)
 
     def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
             seed: int | None = None) -> records.Generated:
         """`n` episodes per example of `batch`, prompt-major, each an agent's run to its end."""
         if self.worker is None:  # a later rank of the engine group: step as the first one says
-            self._drive(engine, None, greedy)
+            self.drive(engine, None, greedy)
             return self.group.one_answer(None)
-        sampling = {"temperature": 0.0 if greedy else engine.cfg.temperature,
-                    "top_p": 1.0 if greedy else engine.cfg.top_p}
-        serving = Serving(self, [Episode(ex, i * n + j) for i, ex in enumerate(batch)
-                                 for j in range(n)], seed, sampling)
+        eps = [Episode(ex, i * n + j) for i, ex in enumerate(batch) for j in range(n)]
+        serving = Serving(self, seed, sampling(engine, greedy))
         try:
-            self._drive(engine, serving, greedy)
+            serving.start(eps)
+            self.drive(engine, serving, greedy, lambda: all(e.done for e in eps))
         finally:
             serving.close()
-        generated = serving.generated()
+        generated = serving.generated(eps)
         return self.group.one_answer(lambda: generated) if self.group is not None else generated
 
-    def _drive(self, engine, serving, greedy: bool) -> None:
-        """Step the engine until the agents are done: each step, the new requests (the first
-        rank's Serving.next_requests, handed to the group's other ranks) added, then one
-        engine step, whose ended requests answer their calls."""
+    def drive(self, engine, serving, greedy: bool, stop=None) -> None:
+        """Step the engine until stop() (on the first rank: Serving.next_requests): each step,
+        the new requests (handed to the group's other ranks) added, then one engine step, whose
+        ended requests answer their calls. The requests still in the engine then are cut and
+        kept (Serving.cut)."""
         def share(fn):
             return self.group.one_answer(fn) if self.group is not None else fn()
 
         try:
-            while (adds := share(serving and serving.next_requests)) is not None:
+            while (adds := share(serving and (lambda: serving.next_requests(stop)))) is not None:
                 ended = rollout.step_requests(engine, adds, greedy)
                 if serving is not None:
                     serving.ended(ended)
         finally:
-            rollout.abort_requests(engine)
+            cut = rollout.cut_requests(engine)
+            if serving is not None:
+                serving.cut(cut)
 
     def tool_calls(self, text: str, req: Request) -> tuple[str, list[dict]]:
         """The model's text as (content, tool_calls in the OpenAI form), by env.tool_parser."""
@@ -407,49 +444,67 @@ class AgentRunner:
         return content, calls
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        for w in self.idle:
+            w.close()
+
+
+def sampling(engine, greedy: bool) -> dict:
+    """The sampling settings the run uses (a call asking for others is told: `overridden`)."""
+    return {"temperature": 0.0 if greedy else engine.cfg.temperature,
+            "top_p": 1.0 if greedy else engine.cfg.top_p}
 
 
 class Serving:
-    """The first rank's side of one rollout: the endpoint, the agents (in a thread that waits
-    for the worker), the calls in the engine (`pending`: request id -> (call, choice))."""
+    """The first rank's side: the endpoint, the agents' jobs (each in a thread that waits for
+    its worker; `outcomes` as each agent returns), the calls in the engine (`pending`: request
+    id -> (Work, choice)) and those cut at a drive's end (`carried`), which the next drive
+    adds first. `version`: the weights version the engine holds (partial rollout)."""
 
-    def __init__(self, runner: AgentRunner, eps: list[Episode], seed: int | None,
-                 sampling: dict):
-        self.runner, self.episodes, self.seed, self.sampling = runner, eps, seed, sampling
-        self.by_key = {e.key: e for e in eps}
-        self.calls, self.pending, self.made = queue.Queue(), {}, 0
+    def __init__(self, runner: AgentRunner, seed: int | None, settings: dict):
+        self.runner, self.seed, self.sampling, self.version = runner, seed, settings, 0
+        self.by_key, self.calls, self.outcomes = {}, queue.Queue(), queue.Queue()
+        self.pending, self.carried, self.made, self.made_tokens = {}, [], 0, 0
+        self.jobs, self.errors, self.t = [], [], time.perf_counter()
         self.endpoint = Endpoint(self.calls, runner.model)
-        self.outcomes, self.error, self.t = None, None, time.perf_counter()
+
+    def start(self, eps: list[Episode]) -> None:
+        """The agents of `eps`, one job of an idle worker (a new one if none is idle)."""
+        self.by_key.update((e.key, e) for e in eps)
+        worker = self.runner.idle.pop() if self.runner.idle else self.runner.new_worker()
         jobs = [(0, (self.endpoint.url(e.key), e.example)) for e in eps]
-        self.thread = threading.Thread(target=self._agents, args=(jobs,), daemon=True)
-        self.thread.start()
+        self.jobs.append(threading.Thread(target=self._job, args=(worker, eps, jobs),
+                                          daemon=True))
+        self.jobs[-1].start()
 
-    def _agents(self, jobs: list) -> None:
+    def _job(self, worker: plugins.Worker, eps: list[Episode], jobs: list) -> None:
         try:
-            self.outcomes = self.runner.worker.run(jobs)
-        except BaseException as e:  # noqa: BLE001  (raised in the main thread, at close)
-            self.error = e
+            worker.run(jobs, ended=lambda k, v: self.outcomes.put((eps[k], v)))
+            self.runner.idle.append(worker)
+        except BaseException as e:  # noqa: BLE001  (raised in the main thread)
+            self.errors.append(e)
 
-    def next_requests(self) -> list | None:
-        """The requests of the calls that came in (waiting for one while the engine is idle), or
-        None once every agent has returned."""
+    def next_requests(self, stop) -> list | None:
+        """The requests to add before the next engine step: the carried ones, then those of the
+        calls that came in (waiting for one while the engine is idle); None once stop() says
+        so, checked after the agents that returned are counted."""
         while True:
-            alive = self.thread.is_alive()
-            got = []
+            while not self.outcomes.empty():  # the agents that returned
+                e, outcome = self.outcomes.get_nowait()
+                e.outcome, e.done = outcome, True
+            if self.errors:
+                raise self.errors[0]
+            if stop():
+                return None
+            adds = [self.add(w, j) for w, j in self.carried]
+            self.carried, got = [], []
             try:
-                if alive and not self.pending:
+                if not (self.pending or adds):
                     got.append(self.calls.get(timeout=0.05))
                 while True:
                     got.append(self.calls.get_nowait())
             except queue.Empty:
                 pass
-            if not alive:  # every agent returned: what still calls is an agent cut at its limit
-                for call in got:
-                    call.answer(503, error_body("the rollout is over", 503))
-                return None
-            adds = [a for call in got for a in self.accept(call)]
+            adds += [a for call in got for a in self.accept(call)]
             if adds or self.pending:
                 return adds
 
@@ -458,9 +513,9 @@ class Serving:
         r = self.runner
         try:
             e = self.by_key.get(call.key)
-            if e is None:
-                raise BadCall(404, f"no episode {call.key!r} in this rollout: use the base_url "
-                                   "the agent was given")
+            if e is None or e.dropped:
+                raise BadCall(404, f"no episode {call.key!r} in this rollout (or it was dropped "
+                                   "as too stale): use the base_url the agent was given")
             req = parse_request(call.body)
             if e.calls >= r.cfg.max_turns:
                 e.limited = True
@@ -477,15 +532,19 @@ class Serving:
             return []
         e.calls += 1
         limit = min(room, req.max_tokens or room)
-        call.work = (e, base, between, prompt, req, [None] * req.n, self.overridden(req, limit))
-        adds = []
-        for j in range(req.n):
-            rid, self.made = f"agent-{self.made}", self.made + 1
-            seed = (None if self.seed is None
-                    else rollout.seed_from(self.seed, e.index, e.calls, j))
-            adds.append((rid, prompt, limit, seed, req.stop))
-            self.pending[rid] = (call, j)
-        return adds
+        w = Work(e, base, between, prompt, req, limit, self.overridden(req, limit),
+                 [([], [], []) for _ in range(req.n)], [None] * req.n, call)
+        return [self.add(w, j) for j in range(req.n)]
+
+    def add(self, w: Work, j: int) -> tuple:
+        """Choice j of a call as an engine request: after what it wrote so far, for the room
+        left."""
+        rid, self.made = f"agent-{self.made}", self.made + 1
+        done = w.written[j][0]
+        seed = (None if self.seed is None
+                else rollout.seed_from(self.seed, w.episode.index, w.episode.calls, j, len(done)))
+        self.pending[rid] = (w, j)
+        return rid, w.prompt + done, w.limit - len(done), seed, w.req.stop
 
     def overridden(self, req: Request, limit: int) -> dict:
         """The settings the run used where the call asked for others."""
@@ -494,66 +553,68 @@ class Serving:
             out["max_tokens"] = limit
         return out
 
+    def wrote(self, rid: str, ids: list, logp: list) -> tuple:
+        self.made_tokens += len(ids)
+        w, j = self.pending.pop(rid)
+        done_ids, done_logp, versions = w.written[j]
+        w.written[j] = (done_ids + ids, done_logp + logp, versions + [self.version] * len(ids))
+        return w, j
+
     def ended(self, ended: list) -> None:
         """Requests that ended in an engine step: a call whose choices are all done is
         answered."""
         for rid, ids, logp, how in ended:
-            call, j = self.pending.pop(rid)
-            e, base, between, prompt, req, outs, overridden = call.work
-            outs[j] = (ids, logp, how)
-            if any(o is None for o in outs):
+            w, j = self.wrote(rid, ids, logp)
+            w.how[j] = how
+            if any(h is None for h in w.how):
                 continue
             try:
-                messages = e.record(base, between, prompt, req, outs, self.runner)
+                messages = w.episode.record(w, self.runner)
             except BadCall as b:
-                call.answer(b.status, error_body(str(b), b.status))
+                w.call.answer(b.status, error_body(str(b), b.status))
                 continue
-            call.answer(200, self.response(rid, prompt, req, outs, messages, overridden))
+            w.call.answer(200, response(rid, w, messages, self.runner.tokenizer,
+                                        self.runner.model))
 
-    def response(self, rid: str, prompt: list, req: Request, outs: list, messages: list,
-                 overridden: dict) -> dict:
-        choices = []
-        for j, ((ids, logp, how), message) in enumerate(zip(outs, messages)):
-            c = {"index": j, "message": message, "logprobs": None, "finish_reason":
-                 "tool_calls" if message.get("tool_calls") else how}
-            if req.logprobs:
-                tokens = self.runner.tokenizer.convert_ids_to_tokens(ids)
-                c["logprobs"] = {"content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, logp)]}
-            if req.token_ids:
-                c["token_ids"] = list(ids)
-            choices.append(c)
-        done = sum(len(ids) for ids, _, _ in outs)
-        out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-               "model": self.runner.model, "choices": choices,
-               "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
-                         "total_tokens": len(prompt) + done}}
-        if req.token_ids:
-            out["prompt_token_ids"] = list(prompt)
-        if overridden:
-            out["overridden"] = overridden
-        return out
+    def cut(self, cut: list) -> None:
+        """Requests cut where they were (rollout.cut_requests): carried, with what they wrote."""
+        for rid, ids, logp in cut:
+            if rid in self.pending:
+                self.carried.append(self.wrote(rid, ids, logp))
+
+    def drop(self, eps: list[Episode]) -> None:
+        """Episodes out of the rollout (too stale): their calls refused, their agents' returns
+        ignored."""
+        for e in eps:
+            e.dropped = True
+        gone = [(w, j) for w, j in self.carried if w.episode.dropped]
+        self.carried = [c for c in self.carried if not c[0].episode.dropped]
+        for w, _ in gone:
+            w.call.answer(404, error_body("the episode was dropped as too stale", 404))
 
     def close(self) -> None:
         """Answer what still waits, stop the server, wait for the agents."""
-        for call, _ in list(self.pending.values()):
-            call.answer(503, error_body("the rollout is over", 503))
-        self.pending.clear()
+        over = error_body("the rollout is over", 503)
+        for w, _ in list(self.pending.values()) + self.carried:
+            w.call.answer(503, over)
+        self.pending, self.carried = {}, []
         self.endpoint.close()
         while not self.calls.empty():
-            self.calls.get_nowait().answer(503, error_body("the rollout is over", 503))
-        self.thread.join()
+            self.calls.get_nowait().answer(503, over)
+        for job in self.jobs:
+            job.join()
         self.seconds = time.perf_counter() - self.t
-        if self.error is not None:
-            raise self.error
+        if self.errors:
+            raise self.errors[0]
 
-    def generated(self) -> records.Generated:
-        """The episodes as records.Generated: each one's last sample (its earlier ones with
-        it), its example with the agent's reward, info and last conversation."""
+    def generated(self, eps: list[Episode], versions: bool = False) -> records.Generated:
+        """The episodes, their agents returned, as records.Generated: each one's last sample
+        (its earlier ones with it), its example with the agent's reward, info and last
+        conversation; with `versions`, each token's weights version (partial rollout)."""
         samples, examples, texts, failed = [], [], [], []
-        env = records.EnvCalls(seconds=self.seconds)
-        for e, out in zip(self.episodes, self.outcomes):
+        env = records.EnvCalls(seconds=getattr(self, "seconds", 0.0))
+        for e in eps:
+            out = e.outcome
             cut, no_call = out is TimeoutError, not e.open
             bad = out is plugins.Failed or cut or no_call
             env.errors += out is plugins.Failed or (no_call and not cut)
@@ -561,13 +622,158 @@ class Serving:
             env.calls, env.rewrites = env.calls + e.calls, env.rewrites + e.rewrites
             reward, info = (0.0, None) if bad else out
             if e.open:
-                samples.append(e.sample())
+                samples.append(e.sample(versions))
             else:  # no call: one token that trains nothing (the episode has failed)
                 eos = self.runner.tokenizer.eos_token_id or 0
-                samples.append(records.Sample(e.example["prompt_ids"], [eos], [0.0], False, [0]))
+                samples.append(records.Sample(e.example["prompt_ids"], [eos], [0.0], False, [0],
+                                              [self.version] if versions else None))
             examples.append({**e.example, "agent_reward": reward, "agent_info": info,
                              "conversation": e.conversation or []})
             texts.append(e.open[-1].text if e.open else "")
             failed.append(bad)
-        return records.Generated(samples, examples, texts, [e.calls for e in self.episodes],
-                                 failed, [e.limited for e in self.episodes], env)
+        return records.Generated(samples, examples, texts, [e.calls for e in eps], failed,
+                                 [e.limited for e in eps], env)
+
+
+def response(rid: str, w: Work, messages: list, tokenizer, model: str) -> dict:
+    """A call's answer in OpenAI's chat.completion form, with vLLM's token-id fields and ours
+    (`overridden`) where they apply."""
+    choices, req = [], w.req
+    for j, ((ids, logp, _), how, message) in enumerate(zip(w.written, w.how, messages)):
+        c = {"index": j, "message": message, "logprobs": None, "finish_reason":
+             "tool_calls" if message.get("tool_calls") else how}
+        if req.logprobs:
+            tokens = tokenizer.convert_ids_to_tokens(ids)
+            c["logprobs"] = {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, logp)]}
+        if req.token_ids:
+            c["token_ids"] = list(ids)
+        choices.append(c)
+    done = sum(len(ids) for ids, _, _ in w.written)
+    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+           "model": model, "choices": choices,
+           "usage": {"prompt_tokens": len(w.prompt), "completion_tokens": done,
+                     "total_tokens": len(w.prompt) + done}}
+    if req.token_ids:
+        out["prompt_token_ids"] = list(w.prompt)
+    if w.overridden:
+        out["overridden"] = w.overridden
+    return out
+
+
+class PartialAgents:
+    """Partial rollout (partial.py) with agents, partial.PartialRollout's interface: groups of
+    episodes whose agents run on from step to step (`groups`, oldest first; the first rank's:
+    the others follow its engine steps and get its results). A step's generation ends once the
+    groups that the step still needs have all returned (rollout.partial.oversample x the share
+    in flight); the calls still in the engine then are cut where they are, their HTTP requests
+    held open through the update, and go on first in the next step, under the new weights, each
+    token's version kept. Agents between calls run on meanwhile: their calls wait in the queue.
+    A group whose oldest token is more than max_staleness versions old is dropped: its calls
+    refused, its agents' returns ignored. A checkpoint keeps no agent in flight (its state lives
+    in its worker process): a resumed run starts with none (the log says so)."""
+
+    def __init__(self, cfg, group, prompts, engine, runner: AgentRunner, score):
+        self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
+        self.engine, self.runner, self.score = engine, runner, score
+        self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
+        self.group_size = cfg.grpo.group_size
+        self.in_flight = math.ceil(self.share * self.cfg.oversample)
+        self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
+        self.groups, self.drawn, self.serving = [], 0, None
+        self.counts = {"dropped": 0, "generated": 0}
+
+    def collect(self, step: int) -> records.Rollout:
+        """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out),
+        each scored as it completes; the engine holds the weights of step - 1 steps trained."""
+        version, first = step - 1, self.group.first
+        if first:
+            self.serving = self.serving or Serving(self.runner, None, sampling(self.engine, False))
+            self.serving.version, self.serving.made_tokens = version, 0
+            stale = [g for g in self.groups if version - self.oldest(g, version)
+                     > self.cfg.max_staleness]
+            self.serving.drop([e for g in stale for e in g])
+            self.groups = [g for g in self.groups if all(g is not s for s in stale)]
+            self.counts["dropped"] = len(stale) * self.group_size
+        pieces, kept, drawn, rounds, seconds = [], 0, 0, 0, {"gen": 0.0, "reward": 0.0}
+        while True:
+            need, t = self.share - kept, time.perf_counter()
+            drawn += self.refill(drawn) if first else 0
+            self.runner.drive(self.engine, self.serving if first else None, False,
+                              lambda: self.ready(need))
+            piece, over = self.share_out(lambda: self.take(need, drawn))
+            rounds, seconds["gen"] = rounds + 1, seconds["gen"] + time.perf_counter() - t
+            if piece.samples:
+                t = time.perf_counter()
+                rewards, keep = self.score(piece)
+                pieces.append((piece, rewards, keep))
+                kept += sum(keep)
+                seconds["reward"] += time.perf_counter() - t
+            if kept >= self.share or over:
+                break
+        self.counts["generated"] = self.serving.made_tokens if first else 0
+        env = sum((p.env for p, *_ in pieces), records.EnvCalls())
+        return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
+
+    def share_out(self, fn):
+        return self.group.one_answer(fn) if self.group.group is not None else fn()
+
+    def ready(self, need: int) -> bool:
+        """Whether `need` groups have all returned, or no agent in flight is left to wait for."""
+        complete = sum(all(e.done for e in g) for g in self.groups)
+        return complete >= need or all(e.done for g in self.groups for e in g)
+
+    def take(self, need: int, drawn: int) -> tuple:
+        """The complete groups (at most `need`) as one records.Generated, and whether the step
+        must end without more (its draws spent and nothing left in flight)."""
+        take = [g for g in self.groups if all(e.done for e in g)][:need]
+        self.groups = [g for g in self.groups if all(g is not t for t in take)]
+        over = drawn >= self.cap and not self.groups
+        return self.serving.generated([e for g in take for e in g], versions=True), over
+
+    def refill(self, drawn: int) -> int:
+        """Fresh groups in the places of those gone, at most cap drawn in a step (`drawn` so
+        far), their agents started as one job; returns how many it drew."""
+        fresh = []
+        while len(self.groups) + len(fresh) < self.in_flight and drawn + len(fresh) < self.cap:
+            example = self.prompts[self.group.index + self.group.count * self.drawn]
+            fresh.append([Episode(example, self.drawn * self.group_size + j)
+                          for j in range(self.group_size)])
+            self.drawn += 1
+        if fresh:
+            self.serving.start([e for g in fresh for e in g])
+            self.groups += fresh
+        return len(fresh)
+
+    def oldest(self, group: list, version: int) -> int:
+        """The oldest weights version among the model tokens of `group`'s samples and of its
+        calls cut at the last step's end; `version` when it holds none."""
+        found = [v for e in group for s in e.open for v, m in zip(s.versions, s.mask) if m]
+        found += [v for w, j in self.serving.carried if w.episode in group
+                  for v in w.written[j][2]]
+        return min(found, default=version)
+
+    def metrics(self, trained: list, version: int) -> dict:
+        carried = [e for g in self.groups for e in g]
+        held = sum(sum(s.mask) for e in carried for s in e.open)
+        held += sum(len(w.written[j][0]) for w, j in self.serving.carried) if self.serving else 0
+        return partial.metrics(trained, version, int(self.group.first), len(carried), held,
+                               self.counts)
+
+    def state_dict(self) -> dict:
+        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
+                "groups": []}
+
+    def resume(self, state: dict | None, step: int) -> None:
+        """The data position a checkpoint of `step` saved; the agents it had in flight are gone
+        (their state lived in their worker process)."""
+        carry = (state or {}).get("carry")
+        if carry is not None and tuple(carry["engine"]) == (self.group.index, self.group.count):
+            self.drawn = carry["drawn"]
+        log.warning("partial rollout with agents: a checkpoint keeps no agent in flight; the run "
+                    "goes on with none")
+
+    def close(self) -> None:
+        if self.serving is not None:
+            self.serving.close()

@@ -285,8 +285,11 @@ def _check_agent(cfg) -> None:
     _need("agent" in cfg.reward.funcs, f"env.kind=agent with reward.funcs={cfg.reward.funcs}: "
           "the agent's returned reward is the reward named `agent`. Fix: add agent to "
           "reward.funcs, e.g. reward.funcs=[agent]")
-    _need(not cfg.rollout.partial.enabled, "env.kind=agent with rollout.partial.enabled=true: "
-          "an agent's calls do not carry over steps yet. Fix: rollout.partial.enabled=false")
+    p = cfg.rollout.partial
+    _need(not p.enabled or p.round_tokens == 0, "env.kind=agent with rollout.partial."
+          f"round_tokens={p.round_tokens}: an agent's step ends when enough of its groups have "
+          "returned, not at a token budget. Fix: rollout.partial.round_tokens=0 and "
+          "rollout.partial.oversample > 1")
 
 
 def _check_sequence_parallel(cfg, world_size: int) -> None:

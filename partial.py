@@ -189,16 +189,22 @@ class PartialRollout:
         between its oldest token and the weights trained) and the share of stale tokens."""
         carried = [e for g in self.groups for e in g]
         held = sum(sum(e.mask) + len(e.pending[0] if e.pending else ()) for e in carried)
-        ages = [age(s, version) for s in trained]
-        written = [v for s in trained for v, m in zip(s.versions, s.mask or [1] * len(s.versions))
-                   if m]
-        first = int(self.group.first)
-        return {"partial_carried": Sum(first * len(carried)),
-                "partial_carried_tokens": Sum(first * held),
-                "partial_dropped": Sum(first * self.counts["dropped"]),
-                "gen_tokens": Sum(first * self.counts["generated"]),
-                "stale_mean": Mean(sum(ages), len(ages)), "stale_max": Max(max(ages, default=0)),
-                "stale_token_frac": Mean(sum(v < version for v in written), len(written))}
+        return metrics(trained, version, int(self.group.first), len(carried), held, self.counts)
+
+
+def metrics(trained: list, version: int, first: int, carried: int, held: int,
+            counts: dict) -> dict:
+    """PartialRollout.metrics' numbers (agents.PartialAgents' too): `carried` samples holding
+    `held` model tokens go on to the next step; counts: "dropped" and "generated" this step;
+    `first`: 1 on an engine group's first rank, which counts the group's numbers once."""
+    ages = [age(s, version) for s in trained]
+    written = [v for s in trained for v, m in zip(s.versions, s.mask or [1] * len(s.versions))
+               if m]
+    return {"partial_carried": Sum(first * carried), "partial_carried_tokens": Sum(first * held),
+            "partial_dropped": Sum(first * counts["dropped"]),
+            "gen_tokens": Sum(first * counts["generated"]),
+            "stale_mean": Mean(sum(ages), len(ages)), "stale_max": Max(max(ages, default=0)),
+            "stale_token_frac": Mean(sum(v < version for v in written), len(written))}
 
 
 def done(group: list) -> bool:

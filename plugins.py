@@ -215,22 +215,24 @@ class InProcess:
         self.specs, self.fns, self.is_async, self.check = specs, fns, is_async, check
         self.what, self.concurrency, self._shown = what, concurrency, set()  # (failures shown)
 
-    def run(self, calls: list[tuple[int, tuple]]) -> list:
+    def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
         out = [None] * len(calls)
         later = [(k, j, args) for k, (j, args) in enumerate(calls) if self.is_async[j]]
         for k, (j, args) in enumerate(calls):
             if not self.is_async[j]:
                 out[k] = call(self.fns[j], self.specs[j], args, self.check, self._shown, self.what)
-        for k, v in (self._gather(later) if later else {}).items():
+                if ended is not None:
+                    ended(k, out[k])
+        for k, v in (self._gather(later, ended) if later else {}).items():
             out[k] = v
         return out
 
-    def _gather(self, calls: list[tuple[int, int, tuple]]) -> dict:
+    def _gather(self, calls: list[tuple[int, int, tuple]], ended=None) -> dict:
         """The async calls, run to completion in this process: on an event loop in this thread,
         or, when this thread already runs one (a notebook's), on one in a helper thread. Ctrl-C
         cancels them either way, so that none runs on past the job it belonged to."""
         job = _gather(self.fns, self.specs, calls, self.check, self._shown, self.what,
-                      self.concurrency, None)
+                      self.concurrency, None, ended=ended)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -278,14 +280,14 @@ class Processes:
         self.workers, self.concurrency = workers, concurrency
         self._plain, self._async = [], []  # the worker processes, _Proc each
 
-    def run(self, calls: list[tuple[int, tuple]]) -> list:
+    def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
         try:
-            return self._run(calls)
+            return self._run(calls, ended)
         except BaseException:  # Ctrl-C mid-job: the workers would answer the next job with
             self.close()  # this one's outcomes still on their way; fresh ones start instead
             raise
 
-    def _run(self, calls: list[tuple[int, tuple]]) -> list:
+    def _run(self, calls: list[tuple[int, tuple]], ended) -> list:
         out, left = [None] * len(calls), len(calls)
         plain = collections.deque(k for k, (j, _) in enumerate(calls) if not self.is_async[j])
         later = [k for k, (j, _) in enumerate(calls) if self.is_async[j]]
@@ -308,7 +310,7 @@ class Processes:
                     msg = conn.recv()
                 except (EOFError, OSError):  # it died in a call (crash, os._exit) or starting
                     why = f"it exited with code {w.proc.exitcode}"
-                    left -= self._lost(w, out, plain, later, Failed, why)
+                    left -= self._lost(w, out, plain, later, Failed, why, ended)
                     continue
                 w.since = time.monotonic()
                 if not w.ready:
@@ -320,13 +322,16 @@ class Processes:
                 else:
                     k, out[k] = msg
                     left -= 1
+                    if ended is not None:
+                        ended(k, out[k])
                     w.calls.pop(k)
                     if w in self._plain and w.calls:  # the next of its calls begins now
                         w.calls[next(iter(w.calls))] = w.since
             now = time.monotonic()
             for w in busy:  # each past its limit: cut, with the calls it was running
                 if w.proc is not None and now >= self._deadline(w, grace):
-                    left -= self._lost(w, out, plain, later, TimeoutError, "no answer")
+                    left -= self._lost(w, out, plain, later, TimeoutError, "no answer",
+                                       ended)
         return out
 
     def _dispatch(self, calls: list[tuple[int, tuple]], plain, later: list[int]) -> list[int]:
@@ -370,7 +375,8 @@ class Processes:
         except OSError:  # it died while idle: none of its calls began; the next wait() reads
             w.calls = dict.fromkeys(ks)  # its end, and they go to another worker
 
-    def _lost(self, w: _Proc, out: list, plain, later: list, outcome, why: str) -> int:
+    def _lost(self, w: _Proc, out: list, plain, later: list, outcome, why: str,
+              ended=None) -> int:
         """Stop worker `w`: the calls it was running get `outcome`, those it had not begun go
         back in the queue. Returns how many got an outcome. One not yet ready (`why`) fails."""
         if not w.ready:
@@ -379,6 +385,8 @@ class Processes:
         for k, began in w.calls.items():
             if began is not None:
                 out[k], n = outcome, n + 1
+                if ended is not None:
+                    ended(k, outcome)
             else:
                 waiting.append(k)
         (later.extend if w in self._async else plain.extendleft)(reversed(waiting))
@@ -451,8 +459,9 @@ class Worker:
                                     self.workers, concurrency)
             self.fns, self._plain, self._async = None, self.runner._plain, self.runner._async
 
-    def run(self, calls: list[tuple[int, tuple]]) -> list:
-        return self.runner.run(calls)
+    def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
+        """ended(k, outcome), if given: called (in this thread) as call k's outcome comes."""
+        return self.runner.run(calls, ended)
 
     def close(self) -> None:
         self.runner.close()

@@ -403,9 +403,20 @@ def step_requests(engine: Engine, adds: list, greedy: bool = False) -> list:
     return ended
 
 
-def abort_requests(engine: Engine) -> None:
-    """End every request still in the engine (step_requests' callers, when they stop)."""
-    _abort_unfinished(engine.llm)
+def cut_requests(engine: Engine) -> list:
+    """End every request still in the engine (step_requests' callers, when they stop): returns
+    each one's id and what it wrote so far, (request id, token ids, logprobs), read as stream()
+    reads a request it cut."""
+    try:
+        states = engine.llm.llm_engine.output_processor.request_states.values()
+        cut = []
+        for state in states:
+            ids = list(state.detokenizer.output_token_ids)
+            logp = state.logprobs_processor.logprobs.logprobs if ids else []
+            cut.append((state.external_req_id, *_checked(ids, logp)))
+        return cut
+    finally:
+        _abort_unfinished(engine.llm)
 
 
 def _samples(prompt_ids: list, outs: list) -> list:

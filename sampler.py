@@ -8,7 +8,8 @@ behind the same call:
   the engine groups together kept prompts_per_step groups with signal, at most
   grpo.max_gen_rounds rounds;
 - partial rollout (rollout.partial.enabled): partial.PartialRollout, which carries unfinished
-  samples from step to step and stops a step's generation early.
+  samples from step to step and stops a step's generation early (agents.PartialAgents with
+  env.kind agent: the agents' calls carried).
 Either way it scores each finished group as it comes (`score`: its rewards, and whether it may
 train) and returns one records.Rollout, made in one place (records.Rollout.join).
 
@@ -24,6 +25,7 @@ import time
 
 import torch
 
+import agents
 import grpo
 import partial
 import records
@@ -42,7 +44,8 @@ class Sampler:
         self.limit = cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
         self.drop_failed = cfg.env.on_failure == "drop"
         self.step, self.start, self.drawn = 0, 0, 0  # the step collected last; data positions
-        self.partial = (partial.PartialRollout(cfg, group, prompts, engine, runner, self.score)
+        carry = agents.PartialAgents if cfg.env.kind == "agent" else partial.PartialRollout
+        self.partial = (carry(cfg, group, prompts, engine, runner, self.score)
                         if cfg.rollout.partial.enabled else None)
 
     def collect(self, step: int) -> records.Rollout:
@@ -95,6 +98,8 @@ class Sampler:
     def close(self) -> None:
         """Stop the reward and environment workers (the engine is the run's to shut down)."""
         try:
+            if isinstance(self.partial, agents.PartialAgents):  # its agents in flight end first
+                self.partial.close()
             self.scorer.close()
         finally:
             self.runner.close()

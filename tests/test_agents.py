@@ -143,7 +143,7 @@ def test_an_agent_must_be_async(tmp_path):
 
 @pytest.mark.parametrize("extra, says", [
     (["--reward.funcs=[tiny_sum]"], "reward.funcs"),
-    (["--rollout.partial.enabled=true", "--rollout.partial.oversample=1.5"], "partial"),
+    (["--rollout.partial.enabled=true", "--rollout.partial.round_tokens=2"], "round_tokens"),
     (["--env.name=", "--env.tool_parser=hermes"], "env.name"),  # (hermes: no openai import)
     (["--env.tool_parser=nope"], "env.tool_parser"),
 ])
@@ -156,15 +156,22 @@ def test_the_config_refuses_before_any_model_loads(tiny_task_dir, extra, says):
 
 @pytest.mark.engine
 @pytest.mark.main_only
-def test_agent_cpu_runs(tiny_task_dir, tmp_path):
-    """configs/agent_cpu.yaml, two ranks, a few steps: the agents call, tool calls come back as
-    turns, and the update trains on them."""
+@pytest.mark.parametrize("carry", [False, True], ids=["rounds", "partial"])
+def test_agent_cpu_runs(tiny_task_dir, tmp_path, carry):
+    """configs/agent_cpu.yaml, two ranks, a few steps: the agents call, and the update trains on
+    their samples. With partial rollout (twice the groups in flight), the groups a step does not
+    take run on into the next: carried, and trained with tokens of an older version."""
     out = tmp_path / "run"
+    more = ["--rollout.partial.enabled=true", "--rollout.partial.oversample=2"] if carry else []
     launch(["train_grpo.py", "--config", "configs/agent_cpu.yaml",
             f"--data.tiny_task_dir={tiny_task_dir}-chat", "--train.steps=3",
-            "--grpo.prompts_per_step=16", "--log.eval_every=0", f"--log.out_dir={out}"],
+            "--grpo.prompts_per_step=16", "--log.eval_every=0", f"--log.out_dir={out}", *more],
            timeout=900)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["agent_calls"] >= 16 * 8 and r["samples_trained"] > 0 for r in rows), rows
+    assert all(r["agent_calls"] >= 16 * 8 * (not carry) and r["samples_trained"] == 16 * 8
+               for r in rows), rows
     assert all(r["env_errors"] == 0 and r["env_timeouts"] == 0 for r in rows), rows
+    if carry:
+        assert all(r["partial_carried"] == 16 * 8 for r in rows), rows
+        assert max(r["stale_max"] for r in rows) >= 1, rows

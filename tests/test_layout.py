@@ -38,8 +38,8 @@ ALLOWED = {
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
     # agents that speak OpenAI: an endpoint over the engine, their calls as samples
-    "agents": {"envs", "episodes", "plugins", "records", "rollout"},
-    "sampler": {"grpo", "partial", "records", "rollout"},  # a step's rollout, one call
+    "agents": {"envs", "episodes", "partial", "plugins", "records", "rollout"},
+    "sampler": {"agents", "grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
                "fsdp_utils", "grpo", "distill", "moe", "seq_parallel"},

@@ -147,7 +147,7 @@ def test_resolve(plugin):
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("nope", "not a built-in (tiny_sum, gsm8k, math, format)"),
+    ("nope", "not a built-in (tiny_sum, gsm8k, math, format, agent)"),
     ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
     ("no/such/file.py:fn", "file 'no/such/file.py' not found"),
     ("my_reward_mod:missing", "'my_reward_mod' has no 'missing'"),

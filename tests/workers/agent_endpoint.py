@@ -103,5 +103,44 @@ assert (info["content"], info["finish"]) == ("<tool_call>1", "stop"), info
 assert info["token_ids"] == s.response_ids and tok.decode(s.response_ids[-1:]) == "+", info
 assert info["overridden"] is None  # (max_tokens 6: within the room the run gives)
 print(f"rank {rank}: a stop string: {info['content']!r}")
+# partial rollout's carry (agents.PartialAgents): a call cut after three engine steps goes on in
+# the next drive under the next weights version, and the agent gets one whole completion
+steps = [0]
+step_requests = rollout.step_requests
+
+
+def counted(*args):
+    steps[0] += 1
+    return step_requests(*args)
+
+
+rollout.step_requests = counted
+env = episodes.EnvConfig(kind="agent", name="tests/workers/agent_fns.py:two_tools",
+                         tool_parser="examples/calculator_agent.py:parse_tool_calls",
+                         max_turns=4, max_tokens=48, timeout_s=120)
+runner = agents.AgentRunner(env, tok, 8, 64, "tiny", group)
+serving, eps = None, [agents.Episode(example, 0)]
+if group.first:
+    serving = agents.Serving(runner, None, agents.sampling(engine, True))
+    serving.start(eps)
+runner.drive(engine, serving, True, lambda: steps[0] >= 3)
+if group.first:
+    assert len(serving.carried) == 1 and len(serving.carried[0][0].written[0][0]) == 3, \
+        serving.carried
+    serving.version = 1
+runner.drive(engine, serving, True, lambda: all(e.done for e in eps))
+if group.first:
+    serving.close()
+    gen = serving.generated(eps, versions=True)
+gen = group.one_answer(lambda: gen) if group.group is not None else gen
+runner.close()
+s, info = gen.samples[0], gen.examples[0]["agent_info"]
+first = [i for i, (m, v) in enumerate(zip(s.mask, s.versions)) if m]
+assert [s.versions[i] for i in first[:6]] == [0, 0, 0, 1, 1, 1], s.versions
+assert info["seen"][0]["token_ids"] == s.response_ids[:6]  # the agent got the whole completion
+assert tok.decode(s.response_ids[:6], **special) == "<tool_call>1+2</tool_call><eos>"
+assert tok.decode(s.prompt_ids + s.response_ids, **special) == tok.apply_chat_template(
+    [agents.for_template(m) for m in info["messages"]], tokenize=False)
+print(f"rank {rank}: a call cut after 3 steps went on under the next version: {s.versions}")
 engine.shutdown()
 print("AGENT_ENDPOINT_OK")
