@@ -295,7 +295,7 @@ class Episode:
         self.example, self.index, self.key = example, index, secrets.token_hex(8)
         self.open: list[Segment] = []
         self.calls = self.rewrites = 0
-        self.limited, self.conversation, self.outcome = False, None, None
+        self.limited, self.conversation, self.tools, self.outcome = False, None, None, None
         self.done = self.dropped = False
 
     def prompt(self, req: Request, runner: "AgentRunner") -> tuple:
@@ -338,7 +338,7 @@ class Episode:
             messages.append(message)
             made.append(seg)
         self.open = [s for s in self.open if s is not w.base] + made
-        self.conversation = req.messages + messages[:1]
+        self.conversation, self.tools = req.messages + [for_template(messages[-1])], req.tools
         return messages
 
     def sample(self, versions: bool = False) -> records.Sample:
@@ -387,6 +387,7 @@ class AgentRunner:
         self.parser = envs.resolve_tool_parser(cfg.tool_parser)
         self.worker = self.new_worker() if group is None or group.first else None
         self.idle = [self.worker] if self.worker is not None else []  # workers with no job
+        self.checked = False  # a sample against the template's rendering, once a run (check)
 
     def new_worker(self) -> plugins.Worker:
         """A worker for one job of agents (plugins.Worker: an event loop in a process of its own,
@@ -408,6 +409,7 @@ class AgentRunner:
             self.drive(engine, serving, greedy, lambda: all(e.done for e in eps))
         finally:
             serving.close()
+        self.check(eps)
         generated = serving.generated(eps)
         return self.group.one_answer(lambda: generated) if self.group is not None else generated
 
@@ -428,6 +430,20 @@ class AgentRunner:
             cut = rollout.cut_requests(engine)
             if serving is not None:
                 serving.cut(cut)
+
+    def check(self, eps: list[Episode]) -> None:
+        """Once a run, the first sample with messages between its calls against what the chat
+        template renders for its episode's whole conversation (episodes.Replies.check: Qwen3's
+        drops the reasoning of earlier turns, so its episodes differ); a difference is logged.
+        The sample keeps the tokens the engine saw."""
+        e = next((e for e in eps if e.open and 0 in e.open[-1].mask), None)
+        if self.checked or e is None:
+            return
+        self.checked, s = True, e.open[-1]
+        if (where := self.replies.check(s.prompt_ids + s.ids, e.conversation, e.tools)):
+            log.warning("an agent's sample differs from what the chat template renders for its "
+                        "whole conversation, at %s. The model is trained on the tokens the "
+                        "engine saw, call by call; shown once", where)
 
     def tool_calls(self, text: str, req: Request) -> tuple[str, list[dict]]:
         """The model's text as (content, tool_calls in the OpenAI form), by env.tool_parser."""
@@ -729,6 +745,7 @@ class PartialAgents:
         must end without more (its draws spent and nothing left in flight)."""
         take = [g for g in self.groups if all(e.done for e in g)][:need]
         self.groups = [g for g in self.groups if all(g is not t for t in take)]
+        self.runner.check([e for g in take for e in g])
         over = drawn >= self.cap and not self.groups
         return self.serving.generated([e for g in take for e in g], versions=True), over
 

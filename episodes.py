@@ -110,8 +110,9 @@ class Replies:
         self.prefix = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
                        {"role": "assistant", "content": self.TURN}]
 
-    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+    def render(self, messages: list[dict], generation_prompt: bool = False,
+               tools: list | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                                   add_generation_prompt=generation_prompt)
 
     def message(self, reply: dict) -> dict:
@@ -147,7 +148,7 @@ class Replies:
             ids += self.encode(m["content"], as_text=True) + self.encode(after)
         return ids
 
-    def check(self, ids: list[int], messages: list[dict]) -> str | None:
+    def check(self, ids: list[int], messages: list[dict], tools: list | None = None) -> str | None:
         """None if `ids` (an episode's prompt and all after it) spell what the chat template
         renders for its whole conversation `messages`, else where they first differ. Templates
         may render a conversation otherwise than turn by turn (Qwen3's drops the `<think>` part
@@ -156,7 +157,8 @@ class Replies:
         special tokens: a model turn's own tokens need not be the ones its text encodes to."""
         ours = self.tokenizer.decode(ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
-        want = self.render(messages)  # after a last model turn that stopped: the template's end
+        want = self.render(messages, tools=tools)  # after a last model turn that stopped: the
+        #   template's end
         n = min(len(ours), len(want))
         i = next((i for i in range(n) if ours[i] != want[i]), n)
         if i == len(ours):  # the episode is what the template renders, up to its end

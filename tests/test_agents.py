@@ -175,3 +175,37 @@ def test_agent_cpu_runs(tiny_task_dir, tmp_path, carry):
     if carry:
         assert all(r["partial_carried"] == 16 * 8 for r in rows), rows
         assert max(r["stale_max"] for r in rows) >= 1, rows
+
+
+@pytest.mark.parametrize("template, differs", [(None, False), ("qwen3_style", True)])
+def test_a_sample_against_the_template_s_whole_conversation(tmp_path, caplog, template, differs):
+    """AgentRunner.check, once a run: an episode's sample made call by call (the first prompt
+    rendered, the completions as written, the user turn between them as Replies.tokens puts it)
+    is what the template renders for the whole conversation, unless the template renders earlier
+    turns otherwise (Qwen3's drops their reasoning): then it is logged, once."""
+    f = tmp_path / "a.py"
+    f.write_text("async def agent(base_url, example):\n    return 1.0\n")
+    tok = chat_tokenizer(template)
+    env = episodes.EnvConfig(kind="agent", name=f"{f}:agent", timeout_s=0)
+    runner = agents.AgentRunner(env, tok, 8, 64, "m")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    first = [{"role": "user", "content": "Q"}]
+    prompt = tok(tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    turn1 = tok("<think>\nguess\n</think>\n\n41", add_special_tokens=False)["input_ids"] + [end]
+    between = runner.replies.tokens([{"role": "user", "content": "once more"}], end)
+    turn2 = tok("42", add_special_tokens=False)["input_ids"] + [end]
+    e = agents.Episode({}, 0)
+    e.open = [agents.Segment(prompt, turn1 + between + turn2,
+                             [1] * len(turn1) + [0] * len(between) + [1] * len(turn2),
+                             [0.0] * (len(turn1) + len(between) + len(turn2)),
+                             [0] * (len(turn1) + len(between) + len(turn2)))]
+    e.conversation = first + [{"role": "assistant", "content": "<think>\nguess\n</think>\n\n41"},
+                              {"role": "user", "content": "once more"},
+                              {"role": "assistant", "content": "42"}]
+    with caplog.at_level("WARNING", logger="grpo"):
+        runner.check([e])
+        runner.check([e])  # once a run
+    runner.close()
+    warned = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+    assert len(warned) == int(differs), warned

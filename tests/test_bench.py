@@ -84,3 +84,16 @@ def test_seq_parallel_bench_halves_the_activations():
     out = launch(["bench/seq_parallel.py", "--tokens", "512", "--layers", "2", "--repeats", "1"])
     row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert 0 < row["activation_ratio"] < 0.8, row
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
+def test_agents_bench_times_the_endpoint_against_the_engine(tmp_path):
+    """bench/agents.py, small: both agents' runs write as many tokens as the engine's floor
+    does, and the ratios are each run's seconds over the floor's."""
+    out = launch(["bench/agents.py", "--episodes", "16", "--tokens", "4",
+                  "--task-dir", str(tmp_path / "task")], nproc=1)
+    line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    assert line["episodes"] == 16 and line["tokens"] == 4 and line["floor_s"] > 0
+    for mode in ("shared", "fresh"):
+        assert line[f"{mode}_vs_floor"] == round(line[f"{mode}_s"] / line["floor_s"], 2)
