@@ -87,6 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as OpenAI clients expect
     calls: queue.Queue = None
     model: str = ""
+    closed = False  # set by Endpoint.close: a kept-alive connection outlives the listener
 
     def log_message(self, *args) -> None:  # no line per request on stderr
         pass
@@ -130,7 +131,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, error_body("the request body is not a JSON object", 400))
         call = Call(key, body)
         self.calls.put(call)
-        call.done.wait()
+        while not call.done.wait(0.2):  # nobody drains the queue once the endpoint is closed
+            if self.closed:
+                call.answer(503, error_body("the rollout is over", 503))
         self._reply(call.status, call.response)
 
 
@@ -146,8 +149,8 @@ class Endpoint:
     the calls it receives go to `calls`. close() stops it."""
 
     def __init__(self, calls: queue.Queue, model: str):
-        handler = type("Handler", (_Handler,), {"calls": calls, "model": model})
-        self.server = _Server(("127.0.0.1", 0), handler)
+        self.handler = type("Handler", (_Handler,), {"calls": calls, "model": model})
+        self.server = _Server(("127.0.0.1", 0), self.handler)
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,),
                                        daemon=True)  # (close() waits up to that poll interval)
         self.thread.start()
@@ -156,6 +159,7 @@ class Endpoint:
         return f"http://127.0.0.1:{self.server.server_address[1]}/e/{key}/v1"
 
     def close(self) -> None:
+        self.handler.closed = True  # (a call on a connection kept alive is refused, not lost)
         self.server.shutdown()
         self.server.server_close()
 

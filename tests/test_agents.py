@@ -209,3 +209,25 @@ def test_a_sample_against_the_template_s_whole_conversation(tmp_path, caplog, te
     runner.close()
     warned = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
     assert len(warned) == int(differs), warned
+
+
+def test_a_call_after_the_endpoint_closed_is_refused_not_lost():
+    """A client keeps its connection alive between calls, so a call can reach the endpoint's
+    thread for that connection after the endpoint closed, when nobody takes calls any more: it
+    is answered 503 at once (it waited for the client's own timeout before)."""
+    import http.client
+    import queue
+    import time
+
+    calls = queue.Queue()
+    endpoint = agents.Endpoint(calls, "m")
+    conn = http.client.HTTPConnection("127.0.0.1", endpoint.server.server_address[1], timeout=30)
+    conn.request("GET", "/e/k/v1/models")
+    assert json.loads(conn.getresponse().read())["data"][0]["id"] == "m"  # (kept alive)
+    endpoint.close()
+    t = time.perf_counter()
+    conn.request("POST", "/e/k/v1/chat/completions", body=json.dumps({"messages": []}),
+                 headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 503 and "over" in json.loads(reply.read())["error"]["message"]
+    assert time.perf_counter() - t < 5 and calls.qsize() == 1  # it reached the queue, unread
