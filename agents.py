@@ -484,7 +484,7 @@ class Serving:
         self.runner, self.seed, self.sampling, self.version = runner, seed, settings, 0
         self.by_key, self.calls, self.outcomes = {}, queue.Queue(), queue.Queue()
         self.pending, self.carried, self.made, self.made_tokens = {}, [], 0, 0
-        self.jobs, self.errors, self.t = [], [], time.perf_counter()
+        self.jobs, self.errors, self.t, self.seconds = [], [], time.perf_counter(), 0.0
         self.endpoint = Endpoint(self.calls, runner.model)
 
     def start(self, eps: list[Episode]) -> None:
@@ -632,7 +632,7 @@ class Serving:
         (its earlier ones with it), its example with the agent's reward, info and last
         conversation; with `versions`, each token's weights version (partial rollout)."""
         samples, examples, texts, failed = [], [], [], []
-        env = records.EnvCalls(seconds=getattr(self, "seconds", 0.0))
+        env = records.EnvCalls(seconds=self.seconds)  # (close() sets it)
         for e in eps:
             out = e.outcome
             cut, no_call = out is TimeoutError, not e.open

@@ -250,29 +250,23 @@ class Engine:
         engine step, every request still running is aborted and keeps the tokens it wrote. With
         `seed`, request i samples with seed + i. (vLLM 0.23, 0.32 v1/engine/llm_engine.py;
         docs/engine.md, "Stream")"""
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
         assert self.kv_cache_awake, "wake the engine before stream"
-        engine, self.streams = self.llm.llm_engine, self.streams + 1
-        out, index, stopping = [([], [], None)] * len(prompt_ids), {}, False
+        self.streams += 1  # (request ids never an int: LLM.generate's are)
+        index = {f"s{self.streams}-{i}": i for i in range(len(prompt_ids))}
+        adds = [(rid, prompt, m, None if seed is None else seed + i, None)
+                for (rid, i), prompt, m in zip(index.items(), prompt_ids, max_tokens)]
+        out, stopping = [([], [], None)] * len(prompt_ids), False
         try:
-            for i, (prompt, m) in enumerate(zip(prompt_ids, max_tokens)):
-                index[rid := f"s{self.streams}-{i}"] = i  # (never an int: LLM.generate's ids are)
-                engine.add_request(rid, tokens_input(list(prompt)), self.sampling(
-                    1, m, greedy, None if seed is None else seed + i,
-                    output_kind=RequestOutputKind.FINAL_ONLY), lora_request=self.adapter)
-            while not stopping and engine.has_unfinished_requests():
-                for o in engine.step():  # the requests that ended in this engine step
-                    i, c = index[o.request_id], o.outputs[0]
-                    out[i] = (*_checked(c.token_ids, c.logprobs.logprobs), c.finish_reason)
-                    stopping = (stop is not None and stop(i, c.finish_reason)) or stopping
-            for state in engine.output_processor.request_states.values():  # cut short
-                ids = list(state.detokenizer.output_token_ids)
-                logp = state.logprobs_processor.logprobs.logprobs if ids else []
-                out[index[state.external_req_id]] = (*_checked(ids, logp), None)
-        finally:  # stopped early, Ctrl-C, or an error: none of ours may stay in the engine
+            while not stopping and (adds or self.llm.llm_engine.has_unfinished_requests()):
+                for rid, ids, logp, how in step_requests(self, adds, greedy):  # those that ended
+                    out[index[rid]] = (ids, logp, how)
+                    stopping = (stop is not None and stop(index[rid], how)) or stopping
+                adds = []
+        except BaseException:  # Ctrl-C, or an error: none of ours may stay in the engine
             _abort_unfinished(self.llm)
+            raise
+        for rid, ids, logp in cut_requests(self):  # stopped early: what each wrote so far
+            out[index[rid]] = (ids, logp, None)
         return out
 
     @property
@@ -379,9 +373,9 @@ class Engine:
 
 
 def step_requests(engine: Engine, adds: list, greedy: bool = False) -> list:
-    """Requests served one engine step at a time (agents.py's endpoint): add `adds`, [(request
-    id, prompt ids, max_tokens, seed or None, stop strings or None)], n=1 each, then run one
-    engine step. Returns the requests that ended in it: (request id, token ids, the engine's
+    """Requests served one engine step at a time (Engine.stream, agents.py's endpoint): add
+    `adds`, [(request id, prompt ids, max_tokens, seed or None, stop strings or None)], n=1
+    each, then run one engine step. Returns the requests that ended in it: (request id, token ids, the engine's
     logprob of each, "stop" | "length"). The ranks of an engine group call it with the same adds,
     step for step, as they would generate. (vLLM 0.23, 0.32 v1/engine/llm_engine.py add_request,
     step; a stop string needs the text: detokenize on for those requests only.)"""
@@ -405,8 +399,9 @@ def step_requests(engine: Engine, adds: list, greedy: bool = False) -> list:
 
 def cut_requests(engine: Engine) -> list:
     """End every request still in the engine (step_requests' callers, when they stop): returns
-    each one's id and what it wrote so far, (request id, token ids, logprobs), read as stream()
-    reads a request it cut."""
+    each one's id and what it wrote so far, (request id, token ids, logprobs), read from the
+    output processor's RequestState before the abort (vLLM 0.23, 0.32
+    v1/engine/output_processor.py; docs/engine.md, "Stream")."""
     try:
         states = engine.llm.llm_engine.output_processor.request_states.values()
         cut = []
