@@ -231,3 +231,17 @@ def test_a_call_after_the_endpoint_closed_is_refused_not_lost():
     reply = conn.getresponse()
     assert reply.status == 503 and "over" in json.loads(reply.read())["error"]["message"]
     assert time.perf_counter() - t < 5 and calls.qsize() == 1  # it reached the queue, unread
+
+
+def test_an_episode_s_samples_train_with_its_advantage():
+    """records.with_earlier: each sample's earlier ones go before it in the update's list, each
+    with the episode's advantage; samples without any are left as they are."""
+    import records
+
+    a, b, c, d = (records.Sample([1], [2 + i], [0.0], False) for i in range(4))
+    b.earlier = [c, d]
+    samples, adv = records.with_earlier([a, b], torch.tensor([0.5, -1.0]))
+    assert [id(s) for s in samples] == [id(a), id(c), id(d), id(b)]
+    assert adv.tolist() == [0.5, -1.0, -1.0, -1.0]
+    same, adv = records.with_earlier([a], torch.tensor([0.5]))
+    assert same == [a] and adv.tolist() == [0.5]
