@@ -415,18 +415,16 @@ class AgentRunner:
             serving.close()
         self.check(eps)
         generated = serving.generated(eps)
-        return self.group.one_answer(lambda: generated) if self.group is not None else generated
+        return self.share(lambda: generated)
 
     def drive(self, engine, serving, greedy: bool, stop=None) -> None:
         """Step the engine until stop() (on the first rank: Serving.next_requests): each step,
         the new requests (handed to the group's other ranks) added, then one engine step, whose
         ended requests answer their calls. The requests still in the engine then are cut and
         kept (Serving.cut)."""
-        def share(fn):
-            return self.group.one_answer(fn) if self.group is not None else fn()
-
+        ask = serving and (lambda: serving.next_requests(stop))  # (None on the other ranks)
         try:
-            while (adds := share(serving and (lambda: serving.next_requests(stop)))) is not None:
+            while (adds := self.share(ask)) is not None:
                 ended = rollout.step_requests(engine, adds, greedy)
                 if serving is not None:
                     serving.ended(ended)
@@ -449,6 +447,11 @@ class AgentRunner:
                         "whole conversation, at %s. The model is trained on the tokens the "
                         "engine saw, call by call; shown once", where)
 
+    def share(self, fn):
+        """fn() on the engine group's first rank, its value handed to the group's other ranks
+        (rollout.EngineGroup.one_answer; they pass None); fn() alone without a group."""
+        return self.group.one_answer(fn) if self.group is not None else fn()
+
     def tool_calls(self, text: str, req: Request) -> tuple[str, list[dict]]:
         """The model's text as (content, tool_calls in the OpenAI form), by env.tool_parser."""
         if not req.tools:
@@ -469,9 +472,10 @@ class AgentRunner:
 
 
 def sampling(engine, greedy: bool) -> dict:
-    """The sampling settings the run uses (a call asking for others is told: `overridden`)."""
-    return {"temperature": 0.0 if greedy else engine.cfg.temperature,
-            "top_p": 1.0 if greedy else engine.cfg.top_p}
+    """The sampling settings the engine's requests use (Engine.sampling's; a call asking for
+    others is told: `overridden`)."""
+    params = engine.sampling(1, 1, greedy)
+    return {"temperature": params.temperature, "top_p": params.top_p}
 
 
 class Serving:
@@ -722,7 +726,7 @@ class PartialAgents:
             drawn += self.refill(drawn) if first else 0
             self.runner.drive(self.engine, self.serving if first else None, False,
                               lambda: self.ready(need))
-            piece, over = self.share_out(lambda: self.take(need, drawn))
+            piece, over = self.runner.share(lambda: self.take(need, drawn))
             rounds, seconds["gen"] = rounds + 1, seconds["gen"] + time.perf_counter() - t
             if piece.samples:
                 t = time.perf_counter()
@@ -735,9 +739,6 @@ class PartialAgents:
         self.counts["generated"] = self.serving.made_tokens if first else 0
         env = sum((p.env for p, *_ in pieces), records.EnvCalls())
         return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
-
-    def share_out(self, fn):
-        return self.group.one_answer(fn) if self.group.group is not None else fn()
 
     def ready(self, need: int) -> bool:
         """Whether `need` groups have all returned, or no agent in flight is left to wait for."""

@@ -616,7 +616,7 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                          cfg, n_tokens, n_seqs, max_len,
                          teacher.of(idx) if teacher is not None and idx else None)
         mb, full = logprobs.to_device(mb, device), logprobs.to_device(t, device)
-        t = full if mb.local is None else full[mb.local]  # this rank's tokens of the row
+        t = mb.mine(full)  # this rank's tokens of the row (sequence parallel)
         with moe.routing(actor, mb.routing, router if idx else None, mb.real):
             out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk,
                                *loss_of(t, mb, cfg, full))
