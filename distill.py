@@ -16,9 +16,10 @@ sampled-token estimate of -KL(student || teacher), the reverse KL, which the stu
 raising the tokens the teacher likes more than it does (distill.loss: reverse_sampled). Both
 logprobs are of softmax(logits / rollout.temperature). A_group is GRPO's advantage of the sample
 (grpo.score); reward_coef 0 is pure distillation, where the rewards are still computed and
-logged. The loss is grpo.grpo_loss, unchanged: its advantages arrive per token
-(grpo.accumulate_gradients takes either), so the surrogate, the mismatch correction and the
-masks apply as to GRPO's; tokens an environment wrote get no loss, as always.
+logged. The loss is grpo.grpo_loss, unchanged: its advantages are per token (grpo.Batch.adv),
+so the surrogate, the mismatch correction and the masks apply as to GRPO's; tokens an
+environment wrote get no loss, as always. The teacher's pass is one transform of the batch
+(`teach`, batcher.py), after the others.
 
 distill.loss: forward_top_k uses the teacher's whole distribution at each position the student
 visited, known by its top_k tokens: the pass keeps each token's k likeliest tokens and their
@@ -133,40 +134,40 @@ def shard_bytes(model: torch.nn.Module) -> int:
                for p in model.parameters())
 
 
-def token_advantages(samples: list, adv: torch.Tensor, teacher_logp: list,
-                     cfg: DistillConfig) -> list:
+def token_advantages(samples: list, adv: list, teacher_logp: list, cfg: DistillConfig) -> list:
     """Each sample's per-token advantages, (n_i,) tensors: coef * (teacher - engine logprob) +
-    reward_coef * its group advantage adv[i], at every response token (the loss masks those an
-    environment wrote); forward_top_k: the second term alone (the teacher's is in the loss).
-    fp32, or fp64 where the teacher's logprobs are (tests)."""
+    reward_coef * its group advantage (adv: per sample, (n_i,) per token), at every response
+    token (the loss masks those an environment wrote); forward_top_k: the second term alone (the
+    teacher's is in the loss). fp32, or fp64 where the teacher's logprobs are (tests)."""
     out, coef = [], cfg.coef if cfg.loss == "reverse_sampled" else 0.0
-    for s, a, t in zip(samples, adv.tolist(), teacher_logp):
+    for s, a, t in zip(samples, adv, teacher_logp):
         engine = torch.tensor(s.logp, dtype=torch.float64)
-        x = coef * (t.double() - engine) + cfg.reward_coef * a
+        x = coef * (t.double() - engine) + cfg.reward_coef * a.double()
         out.append(x.to(torch.promote_types(t.dtype, torch.float32)))
     return out
 
 
-def advantages(teacher, samples: list, adv: torch.Tensor, cfg, pad_id: int,
-               device) -> tuple[list, grpo.TeacherTopK | None, dict]:
-    """The teacher's pass over this rank's `samples`: their per-token advantages
-    (`token_advantages`; adv: their group advantages); with distill.loss forward_top_k, the
-    teacher's top k for the loss's forward KL (grpo.TeacherTopK), else None; and its metrics:
-    the mean reverse KL to the teacher over the tokens the model wrote (distill_kl, the sampled
-    estimate in either mode), the pass's seconds and this rank's teacher bytes. cfg: the run's
-    config tree. Every rank calls it (FSDP collectives)."""
-    t, d = time.perf_counter(), cfg.distill
-    k = d.top_k if d.loss == "forward_top_k" else 0
-    with fsdp_utils.reference(teacher):
-        teacher_logp, top_logp, top_ids = logprobs.sample_top_k(
-            teacher, samples, cfg.grpo, pad_id, device, cfg.rollout.temperature, k)
+def teach(batch: grpo.Batch, teacher, cfg: DistillConfig, passes: grpo.Settings) -> grpo.Batch:
+    """A batch transform (batcher.py): the teacher's pass over the batch's samples; their
+    per-token advantages (`token_advantages`, from the batch's group advantages); with
+    distill.loss forward_top_k, the teacher's top k for the loss's forward KL
+    (grpo.TeacherTopK); and its metrics: the mean reverse KL to the teacher over the tokens the
+    model wrote (distill_kl, the sampled estimate in either mode), the pass's seconds and this
+    rank's teacher bytes. passes: how the pass runs (the update's grpo.Settings). Every rank
+    calls it (FSDP collectives)."""
+    t, samples = time.perf_counter(), batch.samples
+    k = cfg.top_k if cfg.loss == "forward_top_k" else 0
+    with torch.profiler.record_function("step:teacher"), fsdp_utils.reference(teacher):
+        teacher_logp, top_logp, top_ids = logprobs.sample_top_k(teacher, samples, passes, k,
+                                                                split=batch.split)
     seconds = time.perf_counter() - t
     engine = grpo.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
                                     for s in samples])  # the model's tokens only
     taught = grpo.written(samples, teacher_logp)
     kl = sum(float((e.double() - lp.double()).sum()) for e, lp in zip(engine, taught))
     tokens = sum(len(e) for e in engine)
-    return (token_advantages(samples, adv, teacher_logp, d),
-            grpo.TeacherTopK(top_ids, top_logp, d.coef) if k else None,
-            {"distill_kl": tracking.Mean(kl, tokens), "teacher_time_s": seconds,
-             "teacher_gb": shard_bytes(teacher) / 2**30})
+    return dataclasses.replace(
+        batch, adv=token_advantages(samples, batch.adv, teacher_logp, cfg),
+        teacher=grpo.TeacherTopK(top_ids, top_logp, cfg.coef) if k else None,
+        metrics={**batch.metrics, "distill_kl": tracking.Mean(kl, tokens),
+                 "teacher_time_s": seconds, "teacher_gb": shard_bytes(teacher) / 2**30})

@@ -10,6 +10,12 @@ import tracking
 from tracking import Mean
 
 
+def due(cfg, step: int, steps: int) -> bool:
+    """Whether step `step` of a run of `steps` ends with an eval (cfg: the log section): every
+    log.eval_every steps, and the last step."""
+    return bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == steps)
+
+
 @torch.no_grad()
 def run(turn, sampler, examples, k: int = 0):
     """Greedy pass@1 (the mean reward of one greedy completion, or episode, per example) and,

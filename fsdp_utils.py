@@ -259,7 +259,6 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     del full
     log.info("%s: %d parameters, %d of them trained", "reference" if reference else "actor",
              sum(p.numel() for p in model.parameters()), trainable(model))
-    model.sp = split  # logprobs.micro_batch gives this rank its share of each row by it
     if reference:
         model.requires_grad_(False)
         model.eval()

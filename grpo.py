@@ -31,9 +31,10 @@ mean, and stay out of the mismatch and KL metrics. "Response token" above means 
 model wrote.
 """
 
+import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
@@ -289,11 +290,11 @@ def loss_weights(mask, cfg: GRPOConfig, n_tokens: float, n_seqs: float, max_len:
     return mask / (n_seqs * max_len)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tokens:
     """What the loss takes of each of a micro-batch's K response tokens, (K,) tensors in
     logprobs.MicroBatch's order (`token_inputs` makes them); `tokens[k]` is the slice k."""
-    adv: torch.Tensor  # its sample's advantage
+    adv: torch.Tensor  # its advantage (its sample's, or per token: a teacher's signal)
     coef: torch.Tensor  # its weight in the batch's loss (loss_weights: the aggregation)
     written: torch.Tensor  # 1 where the model wrote it, 0 where an environment did
     engine: torch.Tensor  # the engine's logprob of it: the policy that sampled it
@@ -352,15 +353,14 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
     return (per_token * t.coef).sum(), (cut * t.written).sum()
 
 
-def off_policy_stats(old_logp: list, engine_logp: list, adv: torch.Tensor,
-                     delta: float) -> dict:
+def off_policy_stats(old_logp: list, engine_logp: list, adv: list, delta: float) -> dict:
     """With grpo.off_policy_delta: off_policy_masked_frac, the share of responses the mask
     dropped, judged on the logprobs before the first optimizer step (per-sample (n_i,) tensors
-    of the model's tokens; per-token advantages by the sign of their sum, as in the pass);
-    nothing when it is off."""
+    of the model's tokens; adv: per-sample per-token advantages, a response's by the sign of
+    their sum, as in the pass); nothing when it is off."""
     if delta <= 0:
         return {}
-    dropped, adv = 0, [float(a.sum()) for a in adv] if isinstance(adv, list) else adv.tolist()
+    dropped, adv = 0, [float(a.sum()) for a in adv]
     for o, e, a in zip(old_logp, engine_logp, adv):
         kl = float((e.double() - o.double()).mean()) if len(o) else 0.0
         dropped += a < 0 and kl > delta
@@ -504,30 +504,67 @@ class TeacherTopK:
         return TeacherTopK([self.ids[i] for i in idx], [self.logp[i] for i in idx], self.coef)
 
 
-def token_inputs(batch: list, mb, adv, old_logp, ref_logp, cfg: GRPOConfig, n_tokens: float,
-                 n_seqs: float, max_len: int, teacher: TeacherTopK | None = None) -> Tokens:
+@dataclass
+class Batch:
+    """What the update trains on: this rank's samples of a scored rollout and what each feature
+    added to them (batcher.py builds it, one transform per feature)."""
+    samples: list  # records.Sample (or any object with its fields)
+    adv: list  # per sample, its (n_i,) advantage at each response token
+    seed: int  # the mini-batches' shuffle; every rank of a sequence-parallel group the same
+    step: int = 0  # the step that trains it (the weights version step - 1 sampled it)
+    teacher: TeacherTopK | None = None  # a teacher's top k, for the forward KL term
+    split: object = None  # seq_parallel.Split: the group whose ranks train these same samples,
+    #   each 1/sp of every packed row's tokens; None: no sequence parallelism
+    metrics: dict = field(default_factory=dict)  # the transforms' own (a teacher's pass)
+
+    def of(self, idx: list) -> "Batch":
+        """The samples idx, with what they carry."""
+        return dataclasses.replace(
+            self, samples=[self.samples[i] for i in idx], adv=[self.adv[i] for i in idx],
+            teacher=self.teacher.of(idx) if self.teacher is not None else None)
+
+    @property
+    def sp(self) -> int:
+        """The ranks that hold these same samples, each summing its own share of the tokens."""
+        return self.split.size if self.split is not None else 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the update takes of the run besides its samples: fixed for a run."""
+    grpo: GRPOConfig
+    pad_id: int = 0  # the padding token (padded micro-batches)
+    device: object = "cpu"  # where the actor computes
+    temperature: float = 1.0  # the engine's sampling temperature (rollout.temperature)
+    max_len: int = 1  # the engine's max_new_tokens: Dr. GRPO's constant normaliser
+    grad_clip: float = 0.0  # the gradient norm's bound (optim.grad_clip); 0: none
+
+
+def token_inputs(batch: Batch, mb, old_logp, ref_logp, cfg: GRPOConfig, counts: tuple,
+                 max_len: int) -> Tokens:
     """The loss's inputs for each of a micro-batch's K response tokens, on the host, in mb's
-    order: from the samples, their advantages (`adv`: one per sample, or a list of per-token
-    tensors) and, when given, the old and reference logprobs (per-sample lists) and a teacher's
-    top k; with the old logprobs, the mismatch weights from them."""
+    order: from the batch (its samples' per-token advantages, a teacher's top k) and, when given,
+    the old and reference logprobs (per-sample lists); with the old logprobs, the mismatch
+    weights from them; gspo on-policy, its sequence ratio 1. counts: the global mini-batch's
+    (tokens, sequences), which the aggregation divides by."""
     def cat(lists):
         return torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in lists])
 
-    per_token = (torch.cat(adv) if isinstance(adv, list)  # fp32, or fp64 (in tests)
-                 else torch.repeat_interleave(adv.float(), torch.tensor(mb.lengths)))
-    t = Tokens(adv=per_token,
-               coef=mb.flat(loss_weights(mb.mask, cfg, n_tokens, n_seqs, max_len)),
-               written=mb.flat(mb.mask), engine=cat([s.logp for s in batch]))
+    engine, old = cat([s.logp for s in batch.samples]), None
+    weight = ratio = None
     if old_logp is not None:
-        t.old = cat(old_logp)
-        t.is_weight = mb.flat(mismatch_weights(mb.padded(t.old), mb.padded(t.engine), mb.mask,
-                                               cfg.is_correction, cfg.is_cap, cfg.is_cap_low))
-    if ref_logp is not None:
-        t.ref = cat(ref_logp)
-    if teacher is not None:
-        t.top_ids, t.top_logp = torch.cat(teacher.ids), torch.cat(teacher.logp)
-        t.top_coef = t.coef * teacher.coef
-    return t
+        old = cat(old_logp)
+        weight = mb.flat(mismatch_weights(mb.padded(old), mb.padded(engine), mb.mask,
+                                          cfg.is_correction, cfg.is_cap, cfg.is_cap_low))
+    elif cfg.policy_loss == "gspo":  # on-policy every sequence's ratio is exactly 1
+        ratio = torch.ones_like(engine)
+    teacher, coef = batch.teacher, mb.flat(loss_weights(mb.mask, cfg, *counts, max_len))
+    return Tokens(adv=torch.cat(batch.adv), coef=coef, written=mb.flat(mb.mask), engine=engine,
+                  old=old, is_weight=weight, seq_ratio=ratio,
+                  ref=cat(ref_logp) if ref_logp is not None else None,
+                  top_ids=torch.cat(teacher.ids) if teacher is not None else None,
+                  top_logp=torch.cat(teacher.logp) if teacher is not None else None,
+                  top_coef=coef * teacher.coef if teacher is not None else None)
 
 
 def sequence_ratio(logp, old, mask):
@@ -546,80 +583,86 @@ def off_policy_keep(logp, engine_logp, mask, adv, delta: float):
     return ((adv >= 0) | (kl <= delta)).to(kl.dtype)
 
 
-def loss_of(t: Tokens, mb, cfg: GRPOConfig, full: Tokens | None = None):
-    """The micro-batch's loss as logprobs.run takes it: loss_fn(logp, k), grpo_loss on the tokens
-    k (a slice of K); first(logp), when the loss needs whole sequences of this forward's logp
-    before any gradient, else None: the mismatch weights of on-policy seq_mask, and gspo's
-    sequence ratios off-policy (on-policy each is exactly 1: no pass); and dense(logp_all, p, k),
-    the forward KL to a teacher's top k (t.top_ids), else None. Sequence parallel: t is this
-    rank's tokens, `full` every token's; first gets every token's logp and keeps t's share."""
-    full = t if full is None else full
-    def loss_fn(logp, k):
-        return grpo_loss(logp, t[k], cfg)
+@dataclass(frozen=True)
+class MicroLoss:
+    """One micro-batch's loss as logprobs.run takes it: `loss(logp, k)`, grpo_loss on the tokens
+    k (a slice of K); `whole`, whether it needs every token's logp of this forward before any
+    gradient, and `with_whole(logp)`, the loss completed by them (a new MicroLoss): the mismatch
+    weights of on-policy seq modes, gspo's sequence ratios off-policy, the off-policy mask;
+    `dense(logp_all, p, k)`, the forward KL to a teacher's top k where there is one. t: this
+    rank's tokens' inputs; full: every token's (sequence parallel; else t itself)."""
+    t: Tokens
+    full: Tokens
+    mb: object
+    cfg: GRPOConfig
 
-    def dense(logp_all, p, k):
-        return logprobs.top_k_forward_kl(logp_all, p, t.top_ids[k], t.top_logp[k],
-                                         t.top_coef[k])
+    @property
+    def whole(self) -> bool:
+        cfg, off = self.cfg, self.t.old is not None
+        return ((not off and cfg.is_correction in SEQ_IS_MODES)
+                or (off and cfg.policy_loss == "gspo") or cfg.off_policy_delta > 0)
 
-    weights_first = t.old is None and cfg.is_correction in SEQ_IS_MODES
-    ratios_first = cfg.policy_loss == "gspo" and t.old is not None
-    keep_first = cfg.off_policy_delta > 0  # the current policy's whole sequences, always
-    if cfg.policy_loss == "gspo" and t.old is None:
-        t.seq_ratio = torch.ones_like(t.engine)
+    def with_whole(self, logp) -> "MicroLoss":
+        """logp: (K,) every token's logprob under this forward, detached."""
+        cfg, mb, full, found = self.cfg, self.mb, self.full, {}
 
-    def first(logp):  # (K,) every token's
-        if weights_first:
-            t.is_weight = mb.mine(mb.flat(mismatch_weights(
+        def mine(x):  # (n, 1) per sequence -> (K_r,) this rank's tokens
+            return mb.mine(mb.flat(x.expand_as(mb.mask)))
+
+        if self.t.old is None and cfg.is_correction in SEQ_IS_MODES:
+            found["is_weight"] = mb.mine(mb.flat(mismatch_weights(
                 mb.padded(logp), mb.padded(full.engine), mb.mask, cfg.is_correction, cfg.is_cap,
                 cfg.is_cap_low)))
-        if ratios_first:
-            ratio = sequence_ratio(mb.padded(logp), mb.padded(full.old), mb.mask)
-            t.seq_ratio = mb.mine(mb.flat(ratio.expand_as(mb.mask)))
-        if keep_first:  # a row's tokens carry one advantage: their sum has its sign
-            keep = off_policy_keep(mb.padded(logp), mb.padded(full.engine), mb.mask,
-                                   mb.padded(full.adv).sum(1, keepdim=True), cfg.off_policy_delta)
-            t.seq_keep = mb.mine(mb.flat(keep.expand_as(mb.mask)))
+        if self.t.old is not None and cfg.policy_loss == "gspo":
+            found["seq_ratio"] = mine(sequence_ratio(mb.padded(logp), mb.padded(full.old),
+                                                     mb.mask))
+        if cfg.off_policy_delta > 0:  # a row's tokens carry one advantage: their sum has its sign
+            found["seq_keep"] = mine(off_policy_keep(
+                mb.padded(logp), mb.padded(full.engine), mb.mask,
+                mb.padded(full.adv).sum(1, keepdim=True), cfg.off_policy_delta))
+        return dataclasses.replace(self, t=dataclasses.replace(self.t, **found))
 
-    return (loss_fn, first if weights_first or ratios_first or keep_first else None,
-            dense if t.top_ids is not None else None)
+    def __call__(self, logp, k: slice):
+        return grpo_loss(logp, self.t[k], self.cfg)
+
+    def dense(self, logp_all, p, k: slice):
+        """The forward KL to the teacher's top k at the tokens k: (loss, dL/d(logits / T)), or
+        (0, None) without a teacher."""
+        t = self.t
+        if t.top_ids is None:
+            return 0.0, None
+        return logprobs.top_k_forward_kl(logp_all, p, t.top_ids[k], t.top_logp[k], t.top_coef[k])
 
 
-def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_logp,
-                         cfg: GRPOConfig, pad_id: int, device, temperature: float,
-                         max_len: int, teacher: TeacherTopK | None = None,
+def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
                          router: moe.RouterStats | None = None) -> tuple[list, dict]:
-    """Forward/backward this rank's share of one global mini-batch; gradients accumulate in the
-    actor. adv: each sample's advantage (n,), or each one's per-token advantages, a list of
-    (n_i,) tensors (distill.py); teacher: a forward KL term to a teacher's top k, or None. A
-    mixture of experts routes by the samples' routing where they carry it (moe.routing, forward
-    and backward: a recomputed forward routes alike), its routers' work added to `router`.
-    old_logp None means on-policy: old_logp is this forward's own logp, detached (ratio 1).
-    Returns this forward's logp per sample ((n_i,) CPU tensors, read back once) and sums for the
-    metrics: clipped tokens, entropy and the loss, 0-dim tensors left on the device.
-    temperature: the engine's sampling temperature; max_len: its max_new_tokens."""
+    """Forward/backward this rank's share of one global mini-batch (`batch`); gradients
+    accumulate in the actor. A mixture of experts routes by the samples' routing where they
+    carry it (moe.routing, forward and backward: a recomputed forward routes alike), its routers'
+    work added to `router`. old_logp None means on-policy: old_logp is this forward's own logp,
+    detached (ratio 1). Returns this forward's logp per sample ((n_i,) CPU tensors, read back
+    once) and sums for the metrics: clipped tokens, entropy and the loss, 0-dim tensors left on
+    the device."""
+    g, samples, device = cfg.grpo, batch.samples, cfg.device
     counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples))])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
-    split = getattr(actor, "sp", None)  # sequence parallel: a group's ranks hold the same samples
-    n_tokens, n_seqs = (x / (split.size if split else 1) for x in counts.tolist())
+    counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks hold the same samples
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
-    if n_tokens == 0:  # nothing to learn from on any rank (all ranks see the same counts)
+    if counts[0] == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return [torch.zeros(0)] * len(samples), stats
     actor.train()
-    plan, found = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack,
+    plan, found = logprobs.micro_batch_plan(samples, g.micro_batch_tokens, g.pack,
                                             actor.config), []
     for k, idx in enumerate(plan):
-        batch = [samples[i] for i in idx] or [logprobs.DUMMY]
+        part = batch.of(idx) if idx else Batch([logprobs.DUMMY], [torch.zeros(1)], batch.seed)
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None
                     for lp in (old_logp, ref_logp))
-        mb = logprobs.micro_batch(batch, pad_id, cfg.pack, actor.config, split)
-        t = token_inputs(batch, mb, samples_of(adv, idx) if idx else torch.zeros(1), old, ref,
-                         cfg, n_tokens, n_seqs, max_len,
-                         teacher.of(idx) if teacher is not None and idx else None)
+        mb = logprobs.micro_batch(part.samples, cfg.pad_id, g.pack, actor.config, batch.split)
+        t = token_inputs(part, mb, old, ref, g, counts, cfg.max_len)
         mb, full = logprobs.to_device(mb, device), logprobs.to_device(t, device)
-        t = mb.mine(full)  # this rank's tokens of the row (sequence parallel)
+        loss = MicroLoss(mb.mine(full), full, mb, g)  # this rank's tokens of the row (sp)
         with moe.routing(actor, mb.routing, router if idx else None, mb.real):
-            out = logprobs.run(actor, mb, temperature, cfg.logprob_chunk,
-                               *loss_of(t, mb, cfg, full))
+            out = logprobs.run(actor, mb, cfg.temperature, g.logprob_chunk, loss)
             logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
             # FSDP averages gradients over ranks; the loss is a global mean: undo the average
             (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()
@@ -628,11 +671,6 @@ def accumulate_gradients(actor, samples: list, adv: torch.Tensor, old_logp, ref_
                 stats[name] = stats[name] + out[name].detach()  # in the wider dtype
             found.append((idx, out["logp"], mb.lengths))
     return logprobs.per_sample(found, len(samples)), stats
-
-
-def samples_of(adv, idx: list):
-    """The advantages of the samples idx: adv[idx] of a (n,) tensor, or of a per-token list."""
-    return [adv[i] for i in idx] if isinstance(adv, list) else adv[idx]
 
 
 def written(samples: list, per_token: list) -> list:
@@ -649,74 +687,70 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
     return [order[j::k] for j in range(k)]
 
 
-def update(actor, ref, opt, samples: list, adv: torch.Tensor, cfg: GRPOConfig, *,
-           pad_id: int, device, seed: int, temperature: float, max_len: int,
-           grad_clip: float, teacher: TeacherTopK | None = None) -> dict:
-    """grpo.ppo_epochs passes over this rank's samples, each split into grpo.mini_batches
-    optimizer steps, gradients clipped to `grad_clip` (0: off). `temperature` and `max_len` are
-    the engine's sampling temperature and max_new_tokens; `teacher`, a forward KL term to a
-    teacher's top k (distill.py). Returns the update's metrics (tracking.reduce): entropy,
-    clip_frac, the engine/trainer mismatch, kl with a reference, the mean grad norm,
-    logprobs_time_s (the old-policy and reference passes), trained_tokens and trained_rows (the
-    tokens the passes took, and the output layer's rows among them)."""
+def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
+    """grpo.ppo_epochs passes over this rank's samples (`batch`), each split into
+    grpo.mini_batches optimizer steps, gradients clipped to cfg.grad_clip (0: off). Returns the
+    update's metrics (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with
+    a reference, the mean grad norm, logprobs_time_s (the old-policy and reference passes),
+    trained_tokens and trained_rows (the tokens the passes took, and the output layer's rows
+    among them)."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
-    t = time.perf_counter()
-    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    g, samples, t = cfg.grpo, batch.samples, time.perf_counter()
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
-    old_logp = (None if on_policy else logprobs.sample_logprobs(
-        actor, samples, cfg, pad_id, device, temperature, replay=True))
+    on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
+    old_logp = (None if on_policy
+                else logprobs.sample_logprobs(actor, samples, cfg, replay=True,
+                                              split=batch.split))
     ref_logp = None
     if ref is not None:  # the frozen reference: out of host memory, or the actor's base (LoRA)
         with fsdp_utils.reference(ref):
-            ref_logp = logprobs.sample_logprobs(ref, samples, cfg, pad_id, device, temperature)
+            ref_logp = logprobs.sample_logprobs(ref, samples, cfg, split=batch.split)
     logprobs_time = time.perf_counter() - t
     loss_tokens, norms = 0, []
-    clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
-    shuffle = torch.Generator().manual_seed(seed)
+    clipped, entropy = torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
+    shuffle = torch.Generator().manual_seed(batch.seed)
     router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
-    for epoch in range(cfg.ppo_epochs):
-        for part in split_mini_batches(len(samples), cfg.mini_batches, shuffle):
+    for epoch in range(g.ppo_epochs):
+        for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
             old, ref_lp = ([lp[i] for i in part] if lp is not None else None
                            for lp in (old_logp, ref_logp))
-            logp, stats = accumulate_gradients(
-                actor, [samples[i] for i in part], samples_of(adv, part), old, ref_lp, cfg,
-                pad_id, device, temperature, max_len, teacher and teacher.of(part),
-                router if epoch == 0 else None)
+            logp, stats = accumulate_gradients(actor, batch.of(part), old, ref_lp, cfg,
+                                               router if epoch == 0 else None)
             if old_logp is None:  # on-policy: the one forward (part: every sample, shuffled)
                 old_logp = [lp for _, lp in sorted(zip(part, logp), key=lambda x: x[0])]
             clipped += stats["clipped"]
             loss_tokens += sum(samples[i].model_tokens for i in part)
             if epoch == 0:  # entropy of the policy as it meets this rollout
                 entropy += stats["entropy"]
-            norms.append(fsdp_utils.clip_grad_norm(actor, grad_clip))
+            norms.append(fsdp_utils.clip_grad_norm(actor, cfg.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
     clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
-    split = getattr(actor, "sp", None)  # sequence parallel: the sums are this rank's tokens'
-    return {**update_metrics(samples, adv, old_logp, ref_logp, cfg, clipped, entropy,
-                             loss_tokens, router, split.size if split else 1),
+    sums = {"clipped": clipped, "entropy": entropy, "loss_tokens": loss_tokens}
+    return {**update_metrics(batch, old_logp, ref_logp, g, sums, router),
             "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
 
 
-def update_metrics(samples: list, adv, old_logp: list, ref_logp, cfg: GRPOConfig,
-                   clipped: float, entropy: float, loss_tokens: int, router, sp: int) -> dict:
-    """`update`'s metrics from its sums: the policy's entropy, clip_frac, the engine/trainer
-    mismatch (old_logp: the update's own view of the sampling policy), kl to the reference,
-    trained_tokens and trained_rows, and a mixture of experts' routers (moe.RouterStats). sp:
-    the sequence-parallel group's size, whose ranks each hold the same samples and sum their
-    own share of the tokens."""
-    tokens, loss_tokens = sum(s.model_tokens for s in samples) / sp, loss_tokens / sp
+def update_metrics(batch: Batch, old_logp: list, ref_logp, cfg: GRPOConfig, sums: dict,
+                   router) -> dict:
+    """`update`'s metrics from its sums (clipped tokens, entropy, the tokens in the loss): the
+    policy's entropy, clip_frac, the engine/trainer mismatch (old_logp: the update's own view of
+    the sampling policy), kl to the reference, trained_tokens and trained_rows, and a mixture of
+    experts' routers (moe.RouterStats). Under sequence parallelism (batch.sp ranks hold the same
+    samples) each rank's sums are its own share of the tokens."""
+    samples, sp = batch.samples, batch.sp
+    tokens, loss_tokens = sum(s.model_tokens for s in samples) / sp, sums["loss_tokens"] / sp
     # the tokens the passes' forwards and backwards saw, and the rows of the output layer among
     # them (the update's FLOPs: fsdp_utils.flops_per_token)
     seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) / sp
     rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples) / sp
     old_logp = written(samples, old_logp)  # the metrics below are over the model's tokens
     engine = written(samples, [s.logp for s in samples])
-    out = {"entropy": tracking.Mean(entropy, tokens),
-           "clip_frac": tracking.Mean(clipped, loss_tokens),
+    out = {"entropy": tracking.Mean(sums["entropy"], tokens),
+           "clip_frac": tracking.Mean(sums["clipped"], loss_tokens),
            **mismatch_stats(old_logp, engine, cfg.is_cap),
-           **off_policy_stats(old_logp, engine, adv, cfg.off_policy_delta),
+           **off_policy_stats(old_logp, engine, batch.adv, cfg.off_policy_delta),
            "trained_tokens": tracking.Sum(seen), "trained_rows": tracking.Sum(rows)}
     if ref_logp is not None:
         out["kl"] = tracking.Mean(sum(kl_penalty(o, r, cfg.kl_estimator).sum().item()

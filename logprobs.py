@@ -288,31 +288,30 @@ def top_k_forward_kl(logp_all, p, ids, target, coef):
     return kl @ coef.to(kl.dtype), g.mul_(coef.to(g.dtype)[:, None])
 
 
-def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss_fn, rows: slice,
-                dense=None):
+def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, rows: slice):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
     softmax(logits / T) over the chunk's rows where `written` (c,) is 1, the chunk's loss and
-    clip count from loss_fn(logp, rows) (plus dense's loss), and dL/dlogits (c, V) in the compute
-    dtype. dense(logp_all, p, rows), if given, is a term of the whole distribution (c, V): it
-    returns its loss and its gradient with respect to logits / T (top_k_forward_kl)."""
+    clip count from loss(logp, rows) (plus loss.dense's), and dL/dlogits (c, V) in the compute
+    dtype. loss.dense(logp_all, p, rows) is a term of the whole distribution (c, V): its loss and
+    its gradient with respect to logits / T (top_k_forward_kl), or (0, None)."""
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
     logp_all = z.log_softmax(-1)  # (c, V)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
     p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
-    extra, g = dense(logp_all, p, rows) if dense is not None else (0.0, None)
+    extra, g = loss.dense(logp_all, p, rows)
     entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
     del logp_all
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
-        loss, clipped = loss_fn(leaf, rows)
-        (dlogp,) = torch.autograd.grad(loss, leaf, materialize_grads=True)  # dL/dlogp
+        value, clipped = loss(leaf, rows)
+        (dlogp,) = torch.autograd.grad(value, leaf, materialize_grads=True)  # dL/dlogp
     # logp = z[t] - logsumexp(z) with z = logits / T: dlogp/dlogits = (onehot(t) - p) / T
     dlogp = dlogp / temperature  # (c,)
     dz = p.mul_(-dlogp[:, None])  # (c, V), in p's memory
     dz.scatter_add_(1, targets[:, None], dlogp[:, None])
     if g is not None:
         dz.add_(g, alpha=1 / temperature)
-    return logp, entropy, loss.detach() + extra, clipped, dz.to(h.dtype)
+    return logp, entropy, value.detach() + extra, clipped, dz.to(h.dtype)
 
 
 class _FusedOutputLayer(torch.autograd.Function):
@@ -323,14 +322,14 @@ class _FusedOutputLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
-                loss_fn, first, dense, out: dict):
+                loss, out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
-        if first is not None:  # the loss needs every token's logp before any gradient
+        if loss.whole:  # the loss needs every token's logp before any gradient
             logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk)
-            first(logp if mb.local is None  # sequence parallel: every rank's tokens'
-                  else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
+            loss = loss.with_whole(logp if mb.local is None  # sequence parallel: every rank's
+                                   else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
         grad_hidden = torch.zeros_like(flat)
         # a frozen output layer (adapters) gets no gradient: a third of its FLOPs saved
@@ -339,9 +338,8 @@ class _FusedOutputLayer(torch.autograd.Function):
         logps, total = [], {k: torch.zeros((), **f32) for k in ("loss", "entropy", "clipped")}
         for s in range(0, h.shape[0], chunk):
             k = slice(s, s + chunk)
-            logp, entropy, loss, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                           written[k], temperature, loss_fn, k,
-                                                           dense)
+            logp, entropy, value, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
+                                                            written[k], temperature, loss, k)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
@@ -350,7 +348,7 @@ class _FusedOutputLayer(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias.add_(dz.sum(0))
             logps.append(logp)
-            for name, v in (("loss", loss), ("entropy", entropy), ("clipped", clipped)):
+            for name, v in (("loss", value), ("entropy", entropy), ("clipped", clipped)):
                 total[name] += v
         out.update(logp=torch.cat(logps) if logps else h.new_zeros(0, dtype=f32["dtype"]),
                    entropy=total["entropy"], clipped=total["clipped"])
@@ -362,39 +360,39 @@ class _FusedOutputLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
-        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 7
+        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 5
 
 
-def run(model, mb: MicroBatch, temperature: float, chunk: int, loss_fn=None, first=None,
-        dense=None, top_k: int = 0) -> dict:
+def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0) -> dict:
     """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
     (K,) fp32 logprobs of the response tokens under softmax(logits / temperature) (detached);
     without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
-    likely tokens. With loss_fn(logp (c,), rows: slice of K) -> (loss, clip count), a sum of
-    per-token terms: also "loss" (0-dim; its backward() runs the model's backward), "entropy" and
-    "clipped" (0-dim sums over the K tokens, on the device). first(logp (K,)), if given, sees
-    every token's logp (no gradient) before the gradient pass: one more pass over the
-    vocabulary, for a loss that needs whole sequences first. dense: a loss term of each token's
-    whole distribution (_chunk_grad). Sequence parallel (mb.local, model.sp): the sums and the
-    loss are this rank's tokens', the logprobs every token's (one all-gather in the group)."""
+    likely tokens. With a loss (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss,
+    clip count), a sum of per-token terms): also "loss" (0-dim; its backward() runs the model's
+    backward), "entropy" and "clipped" (0-dim sums over the K tokens, on the device). Where
+    loss.whole, the loss first takes every token's logp (no gradient; loss.with_whole returns
+    the completed loss) before the gradient pass: one more pass over the vocabulary, for a loss
+    that needs whole sequences first. loss.dense: a term of each token's whole distribution
+    (_chunk_grad). Sequence parallel (mb.local): the sums and the loss are this rank's tokens',
+    the logprobs every token's (one all-gather in the group)."""
     head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
-        if loss_fn is None:
+        if loss is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
             found = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
                                mb.targets, temperature, chunk, top_k)
             out.update(zip(("logp", "top_logp", "top_ids"), found) if top_k else [("logp", found)])
             return out["logp"]
         return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
-                                       loss_fn, first, dense, out)
+                                       loss, out)
 
     head.forward = types.MethodType(forward, head)
     try:
         result = model(**mb.inputs, use_cache=False)
     finally:
         del head.forward
-    if loss_fn is not None:
+    if loss is not None:
         out["loss"] = result.logits
     if mb.local is not None:  # sequence parallel: every token's, from the group's ranks
         for name in ("logp", "top_logp", "top_ids"):
@@ -448,29 +446,29 @@ def per_sample(found: list, n: int) -> list:
 
 
 @torch.no_grad()
-def sample_logprobs(model, samples: list, cfg, pad_id: int, device, temperature: float,
-                    replay: bool = False) -> list:
+def sample_logprobs(model, samples: list, cfg, replay: bool = False, split=None) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
-    (n_i,) fp32 CPU tensors. cfg: grpo.GRPOConfig (micro_batch_tokens, pack, logprob_chunk);
-    replay: sample_top_k's."""
-    return sample_top_k(model, samples, cfg, pad_id, device, temperature, 0, replay)[0]
+    (n_i,) fp32 CPU tensors. cfg: grpo.Settings (its grpo section's micro_batch_tokens, pack and
+    logprob_chunk; pad_id, device, temperature); replay and split: sample_top_k's."""
+    return sample_top_k(model, samples, cfg, 0, replay, split)[0]
 
 
 @torch.no_grad()
-def sample_top_k(model, samples: list, cfg, pad_id: int, device, temperature: float,
-                 k: int, replay: bool = False) -> tuple:
+def sample_top_k(model, samples: list, cfg, k: int, replay: bool = False, split=None) -> tuple:
     """sample_logprobs, and with k > 0 at each response token the k most likely tokens too:
     (logprobs, their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors,
     each from one read back (three with k > 0). replay: a mixture of experts routes by the
-    samples' routing where they carry it (moe.routing; the actor's passes, not a reference's)."""
+    samples' routing where they carry it (moe.routing; the actor's passes, not a reference's).
+    split: the seq_parallel.Split whose ranks hold these same samples, each running its share of
+    every row (a model built with model.sp_size), or None."""
     model.eval()
+    g = cfg.grpo
     found = {name: [] for name in ("logp", "top_logp", "top_ids")}
-    for idx in micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, model.config):
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack, model.config):
         batch = [samples[i] for i in idx] or [DUMMY]
-        mb = to_device(micro_batch(batch, pad_id, cfg.pack, model.config,
-                                   getattr(model, "sp", None)), device)
+        mb = to_device(micro_batch(batch, cfg.pad_id, g.pack, model.config, split), cfg.device)
         with moe.routing(model, mb.routing if replay else None):
-            out = run(model, mb, temperature, cfg.logprob_chunk, top_k=k)
+            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=k)
         for name, x in out.items():
             found[name].append((idx, x, mb.lengths))
     return tuple(per_sample(x, len(samples)) if name == "logp" or k else None

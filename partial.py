@@ -233,3 +233,9 @@ def for_update(samples: list, version: int, stale: str) -> list:
     return [s if s.versions is None else dataclasses.replace(s, mask=[
         int(m and v == version) for m, v in zip(s.mask or [1] * len(s.versions), s.versions)])
         for s in samples]
+
+
+def stale_tokens(batch, stale: str):
+    """A batch transform (batcher.py): its samples as `for_update` leaves them, against the
+    weights version that sampled the step (batch.step - 1)."""
+    return dataclasses.replace(batch, samples=for_update(batch.samples, batch.step - 1, stale))

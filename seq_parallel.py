@@ -3,12 +3,14 @@
 around attention, one all-to-all gives each rank every token for 1/sp of the heads, attention
 runs on whole samples, and a second all-to-all gives each rank its own tokens back, all heads.
 
-This module holds the attention side only: `attention(inner, group)`, a transformers attention
-function around another (packed_sdpa, npu_ops.fusion_attention), and the all-to-alls with their
-gradients. It is not wired into the update yet (model.sp_size does not exist): the micro-batch's
-split of a row, the loss's sums over the group and the data split are the rest of that work.
+This module holds `attention(inner, group)`, a transformers attention function around another
+(packed_sdpa, npu_ops.fusion_attention), the all-to-alls with their gradients, the groups
+(`split`), and the batch's gather (`gather_batch`: a group's ranks train the union of their
+samples). Each rank's share of a row is logprobs.split_row's; the loss's sums over the group,
+grpo's (grpo.Batch.split).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -137,8 +139,13 @@ def gather_tokens(x: torch.Tensor, bounds: list, where: Split) -> torch.Tensor:
     return torch.cat([p[:k] for p, k in zip(parts, sizes)])
 
 
-def gather_samples(items: list, where: Split) -> list:
-    """Every rank's list of the group, concatenated in rank order (host objects)."""
+def gather_batch(batch, where: Split):
+    """A batch transform (batcher.py): the group's batch, every rank's samples and advantages
+    concatenated in rank order (host objects), the group's first rank's shuffle seed (its ranks
+    must split the mini-batches alike), and the group, by which each rank runs its share of
+    every row. Every rank of the group calls it."""
     got = [None] * where.size
-    dist.all_gather_object(got, items, group=where.group)
-    return [x for part in got for x in part]
+    dist.all_gather_object(got, (batch.samples, batch.adv, batch.seed), group=where.group)
+    return dataclasses.replace(batch, samples=[s for part in got for s in part[0]],
+                               adv=[a for part in got for a in part[1]], seed=got[0][2],
+                               split=where)

@@ -7,22 +7,24 @@ Run it
 Step it (a notebook, world size 1)
     from train_grpo import load_config, setup, train_step
     run = setup(load_config("configs/tiny_cpu.yaml", ["--log.out_dir=/tmp/run"]))
-    metrics, ro, scored = train_step(run, return_rollout=True)  # ro.texts, scored.adv, ...
+    metrics = train_step(run)         # run.last: its rollout, scores and batch
     run.close()                                         # or: with setup(cfg) as run: ...
 
-One step (`train_step`), four calls: (1) collect: in the engine's turn (weight_sync.EngineTurn:
-the actor's weights pushed in, the engine asleep again after), `group_size` samples per prompt
-and their rewards (sampler.py); (2) score: group-normalised advantages and the samples the update
-takes (grpo.score); (3) update: the actor on them (grpo.update, whose per-token objective is
-grpo.grpo_loss); (4) log. The algorithm, what its defaults amount to and its variants live in
-grpo.py; the engine in rollout.py; episodes and environments in episodes.py; the actor in
-fsdp_utils.py; checkpoints in checkpoint.py; everything device-specific in npu_ops.py; config
-parsing and the checks that need no model in config.py.
+One step (`train_step`): (1) collect: in the engine's turn (weight_sync.EngineTurn: the actor's
+weights pushed in, the engine asleep again after), `group_size` samples per prompt and their
+rewards (sampler.py); (2) score: group-normalised advantages and the samples the update takes
+(grpo.score); (3) the batch: this rank's share of them, through each feature's transform
+(batcher.py); (4) update: the actor on it (grpo.update, whose per-token objective is
+grpo.grpo_loss); (5) log, and eval on schedule. The algorithm, what its defaults amount to and
+its variants live in grpo.py; the engine in rollout.py; episodes and environments in
+episodes.py; the actor in fsdp_utils.py; checkpoints in checkpoint.py; everything
+device-specific in npu_ops.py; config parsing and the checks that need no model in config.py.
 """
 
 import argparse
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import agents
+import batcher
 import checkpoint
 import config
 import data
@@ -48,7 +51,6 @@ import fsdp_utils
 import grpo
 import offload
 import partial
-import records
 import rewards
 import rollout
 import sampler
@@ -124,12 +126,16 @@ class Run:
     teacher: torch.nn.Module = None  # the frozen teacher, with distill.teacher (distill.py)
     opt: torch.optim.Optimizer = None
     sched: object = None
+    split: seq_parallel.Split = None  # the sequence-parallel group (model.sp_size > 1), or None
+    settings: grpo.Settings = None  # what the update takes of the run besides its batch
+    batcher: "batcher.Batcher" = None  # a scored rollout -> this rank's grpo.Batch
     trainable: int = 0  # the actor's parameters that train
     flops: tuple = (0, 0)  # the update's FLOPs per token and per output row (flops_per_token)
     turn: weight_sync.EngineTurn = None  # the engine's turn: push, wake, sleep, memory moves
     tracker: tracking.Tracker = None
     profiler: "StepProfiler" = None  # log.profile_steps
     step: int = 0  # steps taken
+    last: "Last" = None  # the last step's rollout, scores and batch
     bar: object = None
     log_handler: logging.Handler = None  # the one setup added, if the process had none
 
@@ -142,7 +148,8 @@ class Run:
         global _OPEN
         parts, engine = [self.bar, self.tracker, self.profiler, self.sampler], self.engine
         self.bar = self.tracker = self.profiler = self.sampler = self.engine = self.turn = None
-        self.actor = self.ref = self.teacher = self.opt = self.sched = None
+        self.actor = self.ref = self.teacher = self.opt = self.sched = self.batcher = None
+        self.last = None
         errors = []
         stops = [p.close for p in parts if p is not None] + ([engine.shutdown] if engine else [])
         # the engine's shutdown may already have destroyed the process group
@@ -246,9 +253,9 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
 def build(run: Run) -> None:
     """The run's parts, in an order that matters: the data; the engine group; the engine before
     the actor (building vLLM reseeds torch), put to sleep at once (the memory is training's
-    until the first push); the sampler; the actor, its reference and optimizer; the engine's
-    turn; the newest checkpoint with train.resume; the tracker."""
-    from torch.distributed.device_mesh import init_device_mesh
+    until the first push); the sampler; the trainer's parts (build_trainer: the actor, its
+    reference and optimizer, the batch's transforms); the engine's turn; the newest checkpoint
+    with train.resume; the tracker."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -278,17 +285,7 @@ def build(run: Run) -> None:
     run.engine.sleep()
     run.sampler = sampler.Sampler(cfg, run.engine, runner, scorer,
                                   data.Shuffled(examples, cfg.train.seed), run.group)
-    torch.manual_seed(cfg.train.seed)
-    mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
-    run.actor = fsdp_utils.build_actor(cfg.model, mesh)
-    if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)
-        run.ref = (run.actor if cfg.model.lora.rank
-                   else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
-    if cfg.distill.teacher:  # whole, with adapters on the actor or not
-        run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
-    run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
-    run.trainable = fsdp_utils.trainable(run.actor)
-    run.flops = fsdp_utils.flops_per_token(run.actor)
+    build_trainer(run)
     run.turn = weight_sync.EngineTurn(run.actor, run.opt, run.engine,
                                       offload_on=offload.enabled(cfg.model.offload))
     if cfg.train.resume and (ckpt := checkpoint.latest_checkpoint(cfg.log.out_dir)):
@@ -300,6 +297,46 @@ def build(run: Run) -> None:
     run.profiler = StepProfiler(cfg.log.profile_steps, cfg.log.out_dir, run.rank)
     run.bar = tqdm(total=cfg.train.steps, initial=run.step, disable=run.rank != 0,
                    desc="steps", file=sys.stdout)
+
+
+def build_trainer(run: Run) -> None:
+    """The trainer's parts: the actor (its initial adapters drawn from train.seed), its reference
+    and teacher, the optimizer and schedule, and what the update takes besides them: its
+    settings (grpo.Settings) and the batch's transforms (batch_transforms)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = run.cfg
+    torch.manual_seed(cfg.train.seed)
+    mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
+    run.actor = fsdp_utils.build_actor(cfg.model, mesh)
+    if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)
+        run.ref = (run.actor if cfg.model.lora.rank
+                   else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
+    if cfg.distill.teacher:  # whole, with adapters on the actor or not
+        run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
+    run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
+    run.split = seq_parallel.split(cfg.model.sp_size)  # (made by build_actor: the same group)
+    run.settings = grpo.Settings(cfg.grpo, run.tokenizer.pad_token_id or 0,
+                                 npu_ops.local_device(), cfg.rollout.temperature,
+                                 cfg.rollout.max_new_tokens, cfg.optim.grad_clip)
+    run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
+    run.trainable = fsdp_utils.trainable(run.actor)
+    run.flops = fsdp_utils.flops_per_token(run.actor)
+
+
+def batch_transforms(run: Run) -> list:
+    """The batch's transforms for this run, in their order (batcher.py): each a function
+    grpo.Batch -> grpo.Batch, applied after this rank's share of the scored rollout. To add one,
+    append it here."""
+    cfg, out = run.cfg, []
+    if cfg.rollout.partial.enabled and cfg.rollout.partial.stale == "mask":
+        out.append(functools.partial(partial.stale_tokens, stale="mask"))  # no loss on old tokens
+    if run.split is not None:  # the group's ranks train the union of their shares
+        out.append(functools.partial(seq_parallel.gather_batch, where=run.split))
+    if run.teacher is not None:  # on-policy distillation: the teacher's per-token signal
+        out.append(functools.partial(distill.teach, teacher=run.teacher, cfg=cfg.distill,
+                                     passes=run.settings))
+    return out
 
 
 class StepProfiler:
@@ -335,89 +372,91 @@ class StepProfiler:
 # the loop
 
 
-def train_step(run: Run, return_rollout: bool = False):
-    """One GRPO step on every rank: collect, score, update, log. Returns the step's metrics
-    (those of metrics.jsonl), and with return_rollout also the rollout (records.Rollout: samples,
-    texts, rewards, ...) and its scores (grpo.Scored: advantages, the samples trained)."""
-    cfg, step, t0 = run.cfg, run.step + 1, time.perf_counter()
+@dataclass
+class Last:
+    """A step's rollout (records.Rollout: samples, texts, rewards, ...), its scores (grpo.Scored:
+    advantages, the samples trained) and the batch this rank trained on (grpo.Batch)."""
+    rollout: object
+    scored: grpo.Scored
+    batch: grpo.Batch
+
+
+def train_step(run: Run) -> dict:
+    """One GRPO step on every rank: collect, score, build the batch, update, log. Returns the
+    step's metrics (those of metrics.jsonl); run.last holds what it trained on (`Last`)."""
+    step, started = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     run.profiler.before(step)
     # 1) collect, in the engine's turn: the actor's weights pushed into the engine, G samples
-    #    per prompt (episodes, with an environment) and their rewards (sampler.py). Leaving the
-    #    turn, whatever raised, the engine sleeps and the actor is back (weight_sync.EngineTurn)
+    #    per prompt and their rewards; leaving the turn, whatever raised, the engine sleeps
     with run.turn:
         ro = run.sampler.collect(step)
-    # 2) score: advantages within each group; the samples the update takes (grpo.score)
-    scored = grpo.score(ro, cfg.grpo, run.group, run.sampler.limit, run.sampler.drop_failed,
-                        run.sampler.scorer.weights)
-    # 3) update: this rank's share of them (partial rollout: rollout.partial.stale applied)
-    t = time.perf_counter()
-    mine = scored.trained[run.group.tp_rank::run.group.size]
-    samples, adv = records.with_earlier([ro.samples[i] for i in mine],  # (an agent's episode:
-                                        torch.tensor(scored.adv)[mine])  # each of its samples)
-    samples = partial.for_update(samples, step - 1, cfg.rollout.partial.stale)
-    split, first = run.actor.sp, run.rank  # sequence parallel: the group trains the union of
-    if split is not None:  # its ranks' shares, each rank 1/sp of every row's tokens
-        both = seq_parallel.gather_samples(list(zip(samples, adv.tolist())), split)
-        samples, adv, first = [x for x, _ in both], torch.tensor([a for _, a in both]), \
-            run.rank - split.rank
-    pad, device, top, taught = run.tokenizer.pad_token_id or 0, npu_ops.local_device(), None, {}
-    if run.teacher is not None:  # on-policy distillation: per-token advantages (distill.py)
-        with torch.profiler.record_function("step:teacher"):
-            adv, top, taught = distill.advantages(run.teacher, samples, adv, cfg, pad, device)
+    # 2) score: advantages within each group, and the samples the update takes
+    scored = grpo.score(ro, run.cfg.grpo, run.group, run.sampler.limit,
+                        run.sampler.drop_failed, run.sampler.scorer.weights)
+    # 3) the batch: this rank's share, through each feature's transform (batcher.py)
+    trained = time.perf_counter()
+    batch = run.batcher.build(ro, scored, step)
+    # 4) update: packed micro-batches whose loss is grpo.grpo_loss; the optimizer's steps
     with torch.profiler.record_function("step:train"):
-        update = grpo.update(run.actor, run.ref, run.opt, samples, adv, cfg.grpo, pad_id=pad,
-                             device=device, temperature=cfg.rollout.temperature,
-                             max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip,
-                             seed=rollout.seed_from(cfg.train.seed, step, first), teacher=top)
+        update = grpo.update(run.actor, run.ref, run.opt, batch, run.settings)
     run.sched.step()
-    run.step = step
-    # the passes before the update's own: the old policy's and the reference's, the teacher's
-    logprobs_s = update.pop("logprobs_time_s") + taught.get("teacher_time_s", 0.0)
-    times = {"gen_time_s": ro.seconds["gen"], "reward_time_s": ro.seconds["reward"],
-             "logprobs_time_s": logprobs_s, "train_time_s": time.perf_counter() - t - logprobs_s,
-             "step_time_s": time.perf_counter() - t0, **taught}
-    # 4) log: the step's metrics over all ranks; eval, samples and checkpoints on schedule
-    metrics = step_metrics(run, ro, scored, {**update, **times}, samples)
-    log_step(run, ro, metrics)
+    run.step, run.last = step, Last(ro, scored, batch)
+    # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
+    metrics = step_metrics(run, update, (started, trained))
+    if evaluation.due(run.cfg.log, step, run.cfg.train.steps):
+        metrics.update(evaluate(run))
+    log_step(run, metrics)
     run.profiler.after(step)
-    return (metrics, ro, scored) if return_rollout else metrics
+    return metrics
 
 
-def step_metrics(run: Run, ro: records.Rollout, scored: grpo.Scored, update: dict,
-                 samples: list) -> dict:
-    """The step's metrics, reduced over all ranks (tracking.reduce): the rollout's, the scores',
-    the update's (with the step's times), partial rollout's over this rank's trained `samples`,
-    the engine's turn's, memory."""
-    step = run.step
+def step_metrics(run: Run, update: dict, started: tuple) -> dict:
+    """The step's metrics (run.last's), reduced over all ranks (tracking.reduce): the rollout's,
+    the scores', the batch's transforms', the update's, the step's times (`started`: when the
+    step and when its batch began), partial rollout's over this rank's trained samples, the
+    engine's turn's, memory."""
+    step, last, now = run.step, run.last, time.perf_counter()
+    ro, scored, batch = last.rollout, last.scored, last.batch
+    # the passes before the update's own: the old policy's and the reference's, the teacher's
+    logprobs_s = update.pop("logprobs_time_s") + batch.metrics.get("teacher_time_s", 0.0)
+    times = {"gen_time_s": ro.seconds["gen"], "reward_time_s": ro.seconds["reward"],
+             "logprobs_time_s": logprobs_s, "train_time_s": now - started[1] - logprobs_s,
+             "step_time_s": now - started[0]}
     metrics = tracking.reduce({
         "step": step, **ro.metrics(run.group, bool(run.cfg.env.name),
                                    run.cfg.env.kind == "agent"),
-        **scored.metrics(run.group.first), **update, **run.sampler.metrics(samples, step - 1),
+        **scored.metrics(run.group.first), **update, **times, **batch.metrics,
+        **run.sampler.metrics(batch.samples, step - 1),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
         **run.engine.memory_metrics(), **run.turn.metrics()})
-    metrics["tokens_per_s"] = metrics.pop("tokens") / update["step_time_s"]
+    metrics["tokens_per_s"] = metrics.pop("tokens") / times["step_time_s"]
     # the update's model FLOP utilisation: matrix FLOPs over its seconds, per device
     flops = (run.flops[0] * metrics.pop("trained_tokens")
              + run.flops[1] * metrics.pop("trained_rows"))
-    metrics["train_tflops"] = flops / max(update["train_time_s"], 1e-9) / run.world / 1e12
+    metrics["train_tflops"] = flops / max(times["train_time_s"], 1e-9) / run.world / 1e12
     if peak := npu_ops.peak_tflops():
         metrics["mfu"] = metrics["train_tflops"] / peak
     if "gen_tokens" in metrics:  # partial rollout: generated this step, carried tokens included
-        metrics["gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(update["gen_time_s"], 1e-9)
+        metrics["gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(times["gen_time_s"], 1e-9)
     return metrics
 
 
-def log_step(run: Run, ro: records.Rollout, metrics: dict) -> None:
-    """Eval (into `metrics`) and its samples, the metrics' row and console line, a few samples,
-    and a checkpoint, each on its schedule (log.*)."""
-    cfg, step, G = run.cfg.log, run.step, run.cfg.grpo.group_size
-    if cfg.eval_every and (step % cfg.eval_every == 0 or step == run.cfg.train.steps):
-        scores, rows = evaluation.run(run.turn, run.sampler, run.eval_examples, cfg.eval_k)
-        metrics.update(scores)
-        run.tracker.log_samples("eval_samples.jsonl", step, *(r[:cfg.eval_examples] for r in rows))
+def evaluate(run: Run) -> dict:
+    """The held-out eval (evaluation.run) into the step's metrics, and a few of its greedy
+    samples to eval_samples.jsonl."""
+    cfg = run.cfg.log
+    scores, rows = evaluation.run(run.turn, run.sampler, run.eval_examples, cfg.eval_k)
+    run.tracker.log_samples("eval_samples.jsonl", run.step, *(r[:cfg.eval_examples] for r in rows))
+    return scores
+
+
+def log_step(run: Run, metrics: dict) -> None:
+    """The metrics' row and console line, a few of the last rollout's samples, and a
+    checkpoint, each on its schedule (log.*)."""
+    cfg, step, G, ro = run.cfg.log, run.step, run.cfg.grpo.group_size, run.last.rollout
     run.tracker.log_step(metrics, run.bar)
     run.bar.update(1)
     if cfg.samples_every and step % cfg.samples_every == 0:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import fsdp_utils  # noqa: E402
 import grpo  # noqa: E402
+import seq_parallel  # noqa: E402
 from common import random_qwen2  # noqa: E402
 from records import Sample  # noqa: E402
 from train_grpo import init_distributed, load_config  # noqa: E402
@@ -67,9 +68,13 @@ def main() -> None:
         spec = fsdp_utils.ModelConfig(path=path, param_dtype="float32", sp_size=sp)
         actor = fsdp_utils.build_actor(spec, init_device_mesh(npu_ops.device_type(), (world,)))
 
-        def step(actor=actor):
-            grpo.accumulate_gradients(actor, samples, adv, None, None, cfg, 0,
-                                      npu_ops.local_device(), 1.0, half)
+        batch = grpo.Batch(samples, [a.expand(len(s.response_ids)).clone()
+                                     for s, a in zip(samples, adv)], 0,
+                           split=seq_parallel.split(sp))
+        settings = grpo.Settings(cfg, 0, npu_ops.local_device(), 1.0, half)
+
+        def step(actor=actor, batch=batch, settings=settings):
+            grpo.accumulate_gradients(actor, batch, None, None, settings)
 
         out[f"sp{sp}_activation_gb"] = round(saved_bytes(step) / 2**30, 4)
         seconds = []

@@ -161,7 +161,8 @@ def main() -> None:
     with train_grpo.setup(cfg) as run:
         run.engine.ignore_eos = True  # bench-only: every response runs to max_new_tokens
         for _ in range(args.steps):
-            metrics, ro, _ = train_grpo.train_step(run, return_rollout=True)
+            metrics = train_grpo.train_step(run)
+            ro = run.last.rollout
             rows.append(metrics)
             steps.append(floor(run, ro) if args.floor else
                           {"tokens": sum(len(s.response_ids) for s in ro.samples)})

@@ -26,6 +26,7 @@ import config
 import distill
 import fsdp_utils
 import grpo
+import reference
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config, resolve
@@ -41,6 +42,16 @@ def naive_logp(model, sample: Sample) -> list[float]:
     logp = torch.log_softmax(logits, -1)
     n = len(sample.prompt_ids)
     return [float(logp[n - 1 + t, tok]) for t, tok in enumerate(sample.response_ids)]
+
+
+def teach(teacher, samples: list, group_adv: torch.Tensor, cfg):
+    """distill.teach on a batch of `samples` whose group advantages are `group_adv` (fp64, per
+    token); its per-token advantages, its teacher's top k (or None) and its metrics."""
+    adv = [torch.full((len(s.response_ids),), a, dtype=torch.float64)
+           for s, a in zip(samples, group_adv.tolist())]
+    batch = distill.teach(reference.batch_of(samples, adv), teacher, cfg.distill,
+                          reference.settings(cfg.grpo, cfg.rollout.temperature))
+    return batch.adv, batch.teacher, batch.metrics
 
 
 def make_samples(student, vocab: int) -> list:
@@ -99,7 +110,7 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
     cfg = load_config(None, ["--rollout.temperature=0.7", f"--distill.coef={coef}",
                              f"--distill.reward_coef={reward_coef}", "--grpo.is_correction=none",
                              "--grpo.micro_batch_tokens=24", "--grpo.logprob_chunk=8"])
-    adv, top, metrics = distill.advantages(teacher, samples, group_adv, cfg, 0, "cpu")
+    adv, top, metrics = teach(teacher, samples, group_adv, cfg)
     assert top is None  # reverse_sampled: all of it in the advantages
 
     kl, n = 0.0, 0
@@ -117,8 +128,8 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
 
     # the student's gradient through the trainer's pass, against autograd on the naive loss
     student.zero_grad()
-    grpo.accumulate_gradients(student, samples, adv, None, None, cfg.grpo, 0, "cpu",
-                              TEMPERATURE, 64)
+    grpo.accumulate_gradients(student, reference.batch_of(samples, adv), None, None,
+                              reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
     loss = 0.0
@@ -164,7 +175,7 @@ def test_forward_top_k_equals_a_naive_loop(models, k, coef, reward_coef):
                              f"--distill.top_k={k}", f"--distill.coef={coef}",
                              f"--distill.reward_coef={reward_coef}", "--grpo.is_correction=none",
                              "--grpo.micro_batch_tokens=24", "--grpo.logprob_chunk=8"])
-    adv, top, _ = distill.advantages(teacher, samples, group_adv, cfg, 0, "cpu")
+    adv, top, _ = teach(teacher, samples, group_adv, cfg)
     assert top.coef == coef and all(x.shape == (len(s.response_ids), min(k, vocab))
                                     for s, x in zip(samples, top.ids))
     for s, a, got in zip(samples, group_adv.tolist(), adv):
@@ -172,8 +183,8 @@ def test_forward_top_k_equals_a_naive_loop(models, k, coef, reward_coef):
                                            dtype=torch.float64))
 
     student.zero_grad()
-    grpo.accumulate_gradients(student, samples, adv, None, None, cfg.grpo, 0, "cpu",
-                              TEMPERATURE, 64, top)
+    grpo.accumulate_gradients(student, reference.batch_of(samples, adv, teacher=top), None,
+                              None, reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
     loss = 0.0
@@ -204,15 +215,14 @@ def test_environment_tokens_and_the_teacher_move_nothing_else(models):
     student, teacher, _ = models
     samples = make_samples(student, student.config.vocab_size)
     cfg = load_config(None, ["--grpo.is_correction=none"])
-    adv, _, _ = distill.advantages(teacher, samples, torch.zeros(5, dtype=torch.float64), cfg,
-                                   0, "cpu")
+    adv, _, _ = teach(teacher, samples, torch.zeros(5, dtype=torch.float64), cfg)
     grads = []
     for shift in (0.0, 3.0):
         changed = [a.clone() for a in adv]
         changed[4][2:5] += shift  # the environment's three tokens
         student.zero_grad()
-        grpo.accumulate_gradients(student, samples, changed, None, None, cfg.grpo, 0, "cpu",
-                                  1.0, 64)
+        grpo.accumulate_gradients(student, reference.batch_of(samples, changed), None, None,
+                                  reference.settings(cfg.grpo))
         grads.append([p.grad.clone() for p in student.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     with pytest.raises(RuntimeError, match="host memory"):  # parked: offload.to_host's guard
@@ -290,30 +300,3 @@ def test_with_episodes_tensor_parallel_partial_rollout_and_lora(tiny_task_dir, t
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3 and all(r["distill_kl"] > 0 and r["teacher_gb"] > 0 for r in rows)
     assert rows[0]["logp_gap"] < 1e-4  # then carried tokens come from older weights
-
-
-def test_per_token_advantages_train_as_per_sample_ones(models):
-    """grpo.update with a per-token advantage list whose tokens each carry their sample's
-    advantage takes the same steps as with the per-sample tensor: two epochs of two
-    mini-batches, the old policy recomputed, the off-policy mask on."""
-    student, _, _ = models
-    samples = make_samples(student, student.config.vocab_size)
-    adv = torch.tensor([0.5, -1.0, 0.0, 1.5, -0.25], dtype=torch.float64)
-    per_token = [torch.full((len(s.response_ids),), a) for s, a in zip(samples, adv.tolist())]
-    cfg = load_config(None, ["--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
-                             "--grpo.off_policy_delta=0.01"]).grpo
-    start = {k: v.clone() for k, v in student.state_dict().items()}
-    after = []
-    for a in (adv, per_token):
-        student.load_state_dict(start)
-        opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
-        metrics = grpo.update(student, None, opt, samples, a, cfg, pad_id=0, device="cpu", seed=1,
-                              temperature=1.0, max_len=16, grad_clip=1.0)
-        after.append(({k: v.clone() for k, v in student.state_dict().items()},
-                      metrics["off_policy_masked_frac"].total))
-    student.load_state_dict(start)
-    (one, dropped_one), (two, dropped_two) = after
-    assert dropped_one == dropped_two
-    for k in one:
-        assert torch.equal(one[k], two[k]), k
-    assert any(not torch.equal(one[k], start[k]) for k in one)

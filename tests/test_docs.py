@@ -233,6 +233,33 @@ def test_the_name_check_catches_a_stale_name():
     assert classify("--optim.lr=1e-6") == ("flag", "optim.lr")
 
 
+def function_body(fn) -> str:
+    """A function's statements after its docstring, dedented, as its source file has them."""
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(fn))
+    node = ast.parse(source).body[0]
+    first = node.body[1] if ast.get_docstring(node) is not None else node.body[0]
+    return textwrap.dedent("\n".join(source.splitlines()[first.lineno - 1:node.end_lineno]))
+
+
+def readme_step() -> str:
+    """The python block of the README's "One step" section."""
+    section = read("README.md").split("\n## One step\n")[1].split("\n## ")[0]
+    return next(code for info, code in blocks(section) if info == "python")
+
+
+def test_the_readme_step_is_train_step():
+    """The README's "One step" block is train_step's body, line for line: the step a reader
+    sees on the front page is the one that runs."""
+    import train_grpo
+
+    body = function_body(train_grpo.train_step)
+    assert body.count("\n") >= 10  # the parsing found the function's statements
+    assert readme_step().strip() == body.strip()
+    assert function_body(train_grpo.log_step).strip() != body.strip()  # the check tells apart
+
+
 # ----------------------------------------------------------------------------------------------
 # links
 

@@ -152,7 +152,8 @@ cfg = load_config("configs/tiny_cpu.yaml", {args!r} + ["--log.out_dir={tmp_path 
 G, rewards = cfg.grpo.group_size, []
 with setup(cfg) as run:
     for step in range(3):
-        metrics, ro, scored = train_step(run, return_rollout=True)
+        metrics = train_step(run)
+        ro, scored = run.last.rollout, run.last.scored
         n = cfg.grpo.prompts_per_step * G
         assert len(ro.samples) == len(ro.texts) == len(ro.rewards) == len(scored.adv) == n
         assert len(ro.examples) == n and len(ro.keep) == len(scored.constant) == n // G

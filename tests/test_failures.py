@@ -6,6 +6,7 @@ import statistics
 import torch
 
 import grpo
+import reference
 import tiny_task
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
@@ -49,7 +50,8 @@ def test_trained_samples_leave_out_the_dropped_and_with_mask_the_cut():
 def gradients(model, samples, adv):
     model.zero_grad()
     g = grpo.GRPOConfig(is_correction="tis")
-    grpo.accumulate_gradients(model, samples, adv, None, None, g, 0, "cpu", 1.0, 64)
+    grpo.accumulate_gradients(model, reference.batch_of(samples, adv), None, None,
+                              reference.settings(g))
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

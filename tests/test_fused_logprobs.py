@@ -119,7 +119,8 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     hand = by_hand(mask, samples)  # the response tokens the model wrote
     old, ref = (None if on_policy else near(0.3)), (near(0.5) if kl else None)
     model.zero_grad()
-    logps, stats = grpo.accumulate_gradients(model, samples, adv, old, ref, g, 0, "cpu", temp, 64)
+    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), old, ref,
+                                             reference.settings(g, temp))
     fused = {"loss": stats["loss"], "entropy": stats["entropy"], "clipped": stats["clipped"],
              "logp": torch.cat(logps), **{n: p.grad for n, p in model.named_parameters()}}
 
@@ -239,7 +240,8 @@ def test_environment_tokens_move_no_gradient(variant, world_of_one):
 
     def update():
         model.zero_grad()
-        _, stats = grpo.accumulate_gradients(model, samples, adv, old, ref, g, 0, "cpu", temp, 64)
+        _, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), old, ref,
+                                             reference.settings(g, temp))
         return stats, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     before, grads = update()
@@ -335,8 +337,8 @@ def test_no_host_sync_in_a_micro_batch(arch, sharded, mode, world_of_one, monkey
     g = grpo.GRPOConfig(is_correction=mode, kl_coef=0.1, micro_batch_tokens=4096)  # one
     ref = [[-1.0] * len(s.response_ids) for s in samples]
     for old in (None, ref):  # on-policy, and off-policy with a reference
-        grpo.accumulate_gradients(model, samples, torch.randn(len(samples)), old, ref, g, 0,
-                                  "cpu", 0.7, 64)
+        grpo.accumulate_gradients(model, reference.batch_of(samples, torch.randn(len(samples))),
+                                  old, ref, reference.settings(g, 0.7))
     assert counter.windows == 2 and not counter.on  # each forward opened it, backward closed it
     assert not counter.sites, dict(counter.sites)
     # the check can fail: a read in the window is counted
@@ -355,7 +357,7 @@ def test_no_host_sync_in_the_logprob_pass(world_of_one, monkeypatch):
     model.register_forward_hook(lambda *_: setattr(counter, "windows", counter.windows + 1))
     model.register_forward_hook(lambda *_: setattr(counter, "on", False))
     g = grpo.GRPOConfig(micro_batch_tokens=64)  # several micro-batches
-    logprobs.sample_logprobs(model, samples, g, 0, "cpu", 0.7)
+    logprobs.sample_logprobs(model, samples, reference.settings(g, 0.7))
     assert counter.windows == 4
     assert not counter.sites, dict(counter.sites)
 
@@ -394,9 +396,8 @@ def test_the_loss_the_docs_name_is_the_loss_that_trains(world_of_one, monkeypatc
         model, calls[:] = model_for("qwen2"), []
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-        m = grpo.update(model, None, opt, samples,
-                        adv, grpo.GRPOConfig(logprob_chunk=5), pad_id=0, device="cpu", seed=0,
-                        temperature=1.0, max_len=64, grad_clip=0.0)
+        m = grpo.update(model, None, opt, reference.batch_of(samples, adv),
+                        reference.settings(grpo.GRPOConfig(logprob_chunk=5)))
         moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
         return m["grad_norm"], moved, list(calls)
 

@@ -40,13 +40,14 @@ ALLOWED = {
     # agents that speak OpenAI: an endpoint over the engine, their calls as samples
     "agents": {"envs", "episodes", "partial", "plugins", "records", "rollout"},
     "sampler": {"agents", "grpo", "partial", "records", "rollout"},  # a step's rollout, one call
+    "batcher": {"grpo", "records", "rollout"},  # a scored rollout -> this rank's grpo.Batch
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "config": {"npu_ops", "kernels", "offload", "rewards", "episodes", "partial", "domains",
                "fsdp_utils", "grpo", "distill", "moe", "seq_parallel"},
     "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains", "records", "partial", "evaluation", "sampler", "distill",
-                   "seq_parallel"},
+                   "domains", "partial", "evaluation", "sampler", "distill", "seq_parallel",
+                   "batcher"},
 }
 
 # A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.

@@ -22,6 +22,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import moe
+import reference
 import rollout
 from logprobs import micro_batch
 from records import Sample
@@ -162,12 +163,11 @@ def test_the_update_routes_by_its_samples_routing(model, world_of_one, pack):
     for routing in ("none", "own", "random"):
         model.load_state_dict(start)
         samples = make_samples(model, routing)
-        old[routing] = [logprobs.sample_logprobs(model, samples, cfg, 0, "cpu", 1.0, replay=r)
-                        for r in (True, False)]
+        old[routing] = [logprobs.sample_logprobs(model, samples, reference.settings(cfg),
+                                                 replay=r) for r in (True, False)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        metrics[routing] = grpo.update(model, None, opt, samples, adv, cfg, pad_id=0,
-                                       device="cpu", seed=1, temperature=1.0, max_len=16,
-                                       grad_clip=1.0)
+        metrics[routing] = grpo.update(model, None, opt, reference.batch_of(samples, adv, 1),
+                                       reference.settings(cfg, max_len=16, grad_clip=1.0))
         after[routing] = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(start)
     assert all(torch.equal(after["none"][k], after["own"][k]) for k in start)

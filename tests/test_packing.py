@@ -59,7 +59,8 @@ def update(model, samples, adv, **cfg):
     """One accumulate_gradients pass; returns the per-sample logps and the gradients."""
     model.zero_grad()
     g = grpo.GRPOConfig(is_correction="tis", **cfg)
-    logps, stats = grpo.accumulate_gradients(model, samples, adv, None, None, g, 0, "cpu", 0.7, 64)
+    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), None, None,
+                                              reference.settings(g, 0.7))
     return logps, stats, {n: p.grad.clone() for n, p in model.named_parameters()
                           if p.grad is not None}
 
@@ -95,6 +96,21 @@ def hf_twin(model):
     return twin
 
 
+class WeightedLoss:
+    """A stand-in of grpo.MicroLoss for logprobs.run: the sum of w x logp over the tokens, and
+    their logp summed as the "clipped" count; no whole-sequence pass, no dense term."""
+    whole = False
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, logp, k):
+        return (logp * self.w[k]).sum(), logp.sum()
+
+    def dense(self, logp_all, p, k):
+        return 0.0, None
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     model, samples = model_for("qwen3"), varied_samples(1)
@@ -112,7 +128,7 @@ def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
         model.zero_grad()
         passes.clear()
         phase[0] = "forward"
-        out = logprobs.run(model, mb, 0.7, chunk, lambda lp, k: ((lp * w[k]).sum(), lp.sum()))
+        out = logprobs.run(model, mb, 0.7, chunk, WeightedLoss(w))
         phase[0] = "backward"
         out["loss"].backward()
         # the logits: once per chunk of the forward, never again in backward

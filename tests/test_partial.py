@@ -279,7 +279,8 @@ def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
 
     def update(view):
         model.zero_grad()
-        grpo.accumulate_gradients(model, view, adv, None, None, g, 0, "cpu", 1.0, 64)
+        grpo.accumulate_gradients(model, reference.batch_of(view, adv), None, None,
+                                  reference.settings(g))
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     got = update(partial.for_update(samples, 2, "mask"))

@@ -8,6 +8,7 @@ Tolerance: the loop and grpo.grpo_loss compute the same fp64 expressions in anot
 (sums of at most 15 terms of size < 10): their difference is a few units of 2^-52 of that,
 far under 1e-12."""
 
+import dataclasses
 import math
 
 import pytest
@@ -73,7 +74,8 @@ def ours(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
     its first pass makes them: the loss, the gradient, the cut tokens."""
     t = tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=weight)
     if policy == "gspo":
-        t.seq_ratio = grpo.sequence_ratio(logp, old, mask).expand_as(mask).reshape(-1)
+        t = dataclasses.replace(t, seq_ratio=grpo.sequence_ratio(logp, old, mask)
+                                .expand_as(mask).reshape(-1))
     loss, _ = grpo.grpo_loss(logp.reshape(-1), t, g)
     loss.backward()
     cut = torch.stack([grpo.grpo_loss(logp.reshape(-1)[k:k + 1].detach(), t[k:k + 1], g)[1]

@@ -32,7 +32,7 @@ import offload
 import rollout
 import weight_sync
 from records import Sample
-from tests.reference import token_logprobs
+from tests.reference import batch_of, token_logprobs
 from train_grpo import init_distributed
 
 KV_BYTES = 1 << 30
@@ -59,8 +59,8 @@ gen = torch.Generator().manual_seed(1)
 samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
                   torch.randint(0, vocab, (24,), generator=gen).tolist(), [0.0] * 24, False)
            for _ in range(8)]
-grpo.update(actor, None, opt, samples, torch.randn(8, generator=gen), g, pad_id=0,
-            device=device, seed=0, temperature=1.0, max_len=24, grad_clip=1.0)
+settings = grpo.Settings(g, 0, device, 1.0, 24, 1.0)
+grpo.update(actor, None, opt, batch_of(samples, torch.randn(8, generator=gen)), settings)
 held = offload.device_tensors(actor, opt)
 state_bytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
                                                          for t in held}.values())
@@ -96,8 +96,7 @@ with turn:  # leaving it: the engine asleep, the actor and its optimizer state b
 assert len(allocated) == 2, allocated
 assert all(torch.equal(t.cpu(), b) for t, b in zip(held, before)), "the moves changed a value"
 # 4) no token to learn from on any rank: the norm must come back on the device, not the CPU
-empty = grpo.update(actor, None, opt, [], torch.zeros(0), g, pad_id=0, device=device, seed=1,
-                    temperature=1.0, max_len=24, grad_clip=1.0)
+empty = grpo.update(actor, None, opt, batch_of([], torch.zeros(0), 1), settings)
 assert empty["grad_norm"] == 0.0, empty
 with torch.no_grad():
     gaps = []

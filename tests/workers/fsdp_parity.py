@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 from records import Sample
-from grpo import accumulate_gradients
+from grpo import Settings, accumulate_gradients
+from tests.reference import batch_of
 from train_grpo import Config, init_distributed
 
 model_dir, reshard, ckpt = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
@@ -48,8 +49,9 @@ for step in range(3):
         samples.append(Sample(p.tolist(), r.tolist(), [0.0] * len(r), False))
     adv = torch.randn(8, generator=g)
     mine = list(range(rank, 8, world))
-    accumulate_gradients(actor, [samples[i] for i in mine], adv[mine], None, None, cfg.grpo, 0,
-                         "cpu", cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+    accumulate_gradients(actor, batch_of([samples[i] for i in mine], adv[mine]), None, None,
+                         Settings(cfg.grpo, 0, "cpu", cfg.rollout.temperature,
+                                  cfg.rollout.max_new_tokens))
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}  # before clip
     norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip).item()
     clipped = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}

@@ -33,6 +33,7 @@ import offload
 import rollout
 import weight_sync
 from records import Sample
+from tests.reference import batch_of
 from train_grpo import init_distributed
 
 model_dir, reshard = sys.argv[1], sys.argv[2] == "1"
@@ -82,8 +83,8 @@ def train_step(actor, ref, opt, step):
                       False) for i in range(4)]
     mine = list(range(rank, 4, world))
     adv = torch.randn(4, generator=gen)
-    grpo.update(actor, ref, opt, [samples[i] for i in mine], adv[mine], g, pad_id=0,
-                device="cpu", seed=step, temperature=1.0, max_len=8, grad_clip=1.0)
+    grpo.update(actor, ref, opt, batch_of([samples[i] for i in mine], adv[mine], step),
+                grpo.Settings(g, 0, "cpu", 1.0, 8, 1.0))
 
 
 def owns_nothing(held) -> bool:

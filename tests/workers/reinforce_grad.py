@@ -24,6 +24,7 @@ import logprobs
 import offload
 from records import Sample
 from grpo import LOSS_AGGS, split_mini_batches
+from tests.reference import batch_of
 from train_grpo import Config, init_distributed
 
 model_dir = sys.argv[1]
@@ -35,8 +36,8 @@ cfg.grpo.micro_batch_tokens = 16  # several micro-batches, unequal counts across
 cfg.grpo.is_correction = "none"
 cfg.optim.grad_clip = 0.0  # the recorded gradient is the raw one
 cfg.rollout.max_new_tokens = 12
-update_args = dict(pad_id=0, device="cpu", temperature=cfg.rollout.temperature,
-                   max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip)
+settings = grpo.Settings(cfg.grpo, 0, "cpu", cfg.rollout.temperature,  # (cfg.grpo changes
+                         cfg.rollout.max_new_tokens, cfg.optim.grad_clip)  # case by case)
 mesh = init_device_mesh("cpu", (world,))
 actor = fsdp_utils.build_actor(cfg.model, mesh)
 ref_model = fsdp_utils.build_actor(cfg.model, mesh, reference=True)
@@ -65,8 +66,7 @@ try:
 except RuntimeError as e:
     assert "host memory (offload.to_host)" in str(e)
 offload.to_device(ref_model)
-ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], cfg.grpo, 0, "cpu",
-                                  cfg.rollout.temperature)
+ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], settings)
 with torch.no_grad():
     for i, lp in zip(mine, ref_lp):
         assert torch.allclose(lp, hf_logp(samples[i]), atol=1e-5), i
@@ -103,8 +103,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
     cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = agg, epochs, n_mb
     cfg.grpo.kl_coef, cfg.grpo.kl_estimator = kl_coef, est
     opt, recomputed[:] = FirstStep(), []
-    grpo.update(actor, ref_model if kl_coef else None, opt, [samples[i] for i in mine],
-                adv[mine], cfg.grpo, seed=7, **update_args)
+    grpo.update(actor, ref_model if kl_coef else None, opt,
+                batch_of([samples[i] for i in mine], adv[mine], 7), settings)
     assert len(opt.grads) == epochs * n_mb
     on_policy = epochs == 1 and n_mb == 1
     assert (actor in recomputed) == (not on_policy), (agg, epochs, n_mb)
@@ -150,8 +150,8 @@ class Recording(torch.optim.AdamW):
         return super().step()
 
 
-grpo.update(actor, None, Recording(actor.parameters(), lr=3e-3), [samples[i] for i in mine],
-            adv[mine], cfg.grpo, seed=11, **update_args)
+grpo.update(actor, None, Recording(actor.parameters(), lr=3e-3),
+            batch_of([samples[i] for i in mine], adv[mine], 11), settings)
 hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-3)
 with torch.no_grad():
     old = {i: hf_logp(samples[i]) for i in range(12)}

@@ -20,7 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_utils
 import grpo
 import logprobs
+import seq_parallel
 from records import Sample
+from tests.reference import batch_of
 from train_grpo import init_distributed, load_config
 
 model_dir = sys.argv[1]
@@ -51,6 +53,7 @@ for sp in (1, 2):
     spec = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float64", reduce_dtype="float64",
                                   attn_implementation="sdpa", sp_size=sp)
     actor = fsdp_utils.build_actor(spec, mesh)
+    split = seq_parallel.split(sp)  # the group build_actor made (None at sp 1)
     plan = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, actor.config)
     rows = [sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx)
             for idx in plan]
@@ -58,13 +61,15 @@ for sp in (1, 2):
     for case, (options, off) in CASES.items():
         c = load_config(None, [*BASE, *options]).grpo
         actor.zero_grad(set_to_none=True)
-        logp, stats = grpo.accumulate_gradients(actor, samples, adv, old_logp if off else None,
-                                                None, c, 0, "cpu", 0.7, 16)
+        logp, stats = grpo.accumulate_gradients(
+            actor, batch_of(samples, adv, split=split), old_logp if off else None, None,
+            grpo.Settings(c, 0, "cpu", 0.7, 16))
         sums = torch.stack([stats["loss"], stats["entropy"], stats["clipped"]])
         dist.all_reduce(sums)
         grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
         got[sp, case] = (logp, sums, grads)
-    got[sp, "old"] = logprobs.sample_logprobs(actor, samples, cfg, 0, "cpu", 0.7)
+    got[sp, "old"] = logprobs.sample_logprobs(actor, samples, grpo.Settings(cfg, 0, "cpu", 0.7),
+                                              split=split)
 assert all((a - b).abs().max() < 1e-12 for a, b in zip(got[1, "old"], got[2, "old"]))
 for case in CASES:
     (l1, s1, g1), (l2, s2, g2) = got[1, case], got[2, case]
