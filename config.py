@@ -28,13 +28,7 @@ import offload
 import partial
 import rewards
 import seq_parallel
-
-
-class BadInput(ValueError):
-    """The user's config, data or reward plugin is wrong, found by our own checks before any model
-    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
-    like any. Only our checks raise it: an exception from inside another library surfaces as it
-    is, with its traceback."""
+from domains import BadInput  # raised here, and caught as config.BadInput (train_grpo.main)
 
 
 def _closest(name: str, options) -> str:

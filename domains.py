@@ -15,6 +15,13 @@ import math
 import numbers
 
 
+class BadInput(ValueError):
+    """The user's config, data or reward plugin is wrong, found by our own checks before any model
+    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
+    like any. Only our checks raise it: an exception from inside another library surfaces as it
+    is, with its traceback. (config.BadInput is this class: config.py raises it too.)"""
+
+
 class Domain:
     def describe(self) -> str:
         """What the field takes, for `--help` ("must be >= 2", "one of a, b")."""

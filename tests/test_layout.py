@@ -18,7 +18,7 @@ pytestmark = pytest.mark.main_only  # the code's shape: no library version enter
 ALLOWED = {
     "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
-    "rewards": {"plugins", "domains"}, "data": {"config", "domains", "plugins"},
+    "rewards": {"plugins", "domains"}, "data": {"domains", "plugins"},
     "tracking": {"domains"},
     "offload": {"npu_ops"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
