@@ -46,7 +46,7 @@ class DataConfig:
     prompt_suffix: Annotated[str, Anything("free text")] = ""
     # a system turn with chat_template, else text before a blank line
     system_prompt: Annotated[str, Anything("free text")] = ""
-    # render the prompt with the tokenizer's chat template (which config.check_model looks for)
+    # render the prompt with the tokenizer's chat template (check_model looks for one)
     chat_template: Annotated[bool, FLAG] = False
     max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
     # if set: create the built-in tiny model + prompts here if missing
@@ -57,6 +57,23 @@ class DataConfig:
     #   (tiny_task.CHAT_TEMPLATE) when tiny_task_dir is created: what an agent's calls need
     tiny_task_chat: Annotated[bool, FLAG] = False
 
+    def check_model(self, cfg, text: dict) -> None:
+        """A chat template in model.path's tokenizer files where chat_template asks for one
+        (config.check_model calls it)."""
+        if not self.chat_template:
+            return
+        path = cfg.model.path
+        found = [name for name in ("chat_template.jinja", "chat_template.json")
+                 if os.path.isfile(os.path.join(path, name))]
+        settings = os.path.join(path, "tokenizer_config.json")
+        if not found and os.path.isfile(settings):
+            with open(settings) as f:
+                found = ["tokenizer_config.json"] if json.load(f).get("chat_template") else []
+        if not found:
+            raise BadInput(f"config: data.chat_template=true, but the tokenizer in {path} has "
+                           "no chat template (no chat_template.jinja, nor one in "
+                           "tokenizer_config.json). Fix: data.chat_template=false (plain text "
+                           "prompts), or a model with a chat template")
 
 
 def gsm8k_answer(text: str) -> str | None:
