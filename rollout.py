@@ -27,7 +27,6 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Annotated
 
-import checkpoint
 import npu_ops
 import records
 from domains import DTYPE, FLAG, BadInput, OneOf, Range, need
@@ -280,7 +279,9 @@ class Engine:
         self.weights_awake = self.kv_cache_awake = True
         self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
-        self.adapter = None  # with LoRA: the request every call makes (load_adapter)
+        self.adapter = None  # with LoRA: the request every call makes (add_adapter)
+        ram = "/dev/shm" if os.path.isdir("/dev/shm") else None  # with LoRA: the adapter's files
+        self.adapter_dir = tempfile.mkdtemp("-adapter", dir=ram) if self.lora else None
         self.streams = 0  # stream() calls: its request ids are never reused
 
     def sampling(self, n: int, max_tokens: int, greedy: bool = False, seed: int | None = None,
@@ -411,8 +412,8 @@ class Engine:
             self.wake(["kv_cache"])
         del self.llm
         cleanup_dist_env_and_memory()
-        if self.adapter is not None:
-            shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
@@ -423,27 +424,31 @@ class Engine:
         _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
         self.llm.reset_prefix_cache()
 
-    def load_adapter(self, layers: dict) -> None:
+    def load_adapter(self, layers: dict) -> bool:
         """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
         layer: (lora_A (rank, in), lora_B (out, rank))}, whole tensors in the engine's dtype, in
-        place into its slot (`_write_adapter`); the first time, or if vLLM let the slot go,
-        registered anew from a peft-format copy on a RAM-backed path. Then the prefix cache is
-        dropped: its keys carry the adapter's name, not its weights (docs/engine.md, "LoRA")."""
-        from vllm.lora.request import LoRARequest
-
+        place into its slot (`_write_adapter`), then drop the prefix cache: its keys carry the
+        adapter's name, not its weights (docs/engine.md, "LoRA"). False where there is no slot
+        (the first time, or vLLM let it go): weight_sync.load then calls add_adapter."""
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
         _check_version()
         scaling = self.lora.alpha / self.lora.rank
         if self.adapter is None or not all(self.llm.collective_rpc(
                 _write_adapter, args=(layers, self.adapter.lora_int_id, scaling))):
-            if self.adapter is None:
-                ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                self.adapter = LoRARequest("actor", 1, tempfile.mkdtemp("-adapter", dir=ram))
-            else:
-                self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
-            checkpoint.save_adapter(self.adapter.lora_path, layers, self.lora)
-            self.llm.llm_engine.add_lora(self.adapter)
+            return False
+        self.llm.reset_prefix_cache()
+        return True
+
+    def add_adapter(self) -> None:
+        """Register adapter_dir's files (peft's format) as the slot, anew where vLLM let it go."""
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter is None:
+            self.adapter = LoRARequest("actor", 1, self.adapter_dir)
+        else:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        self.llm.llm_engine.add_lora(self.adapter)
         self.llm.reset_prefix_cache()
 
 

@@ -25,9 +25,9 @@ ALLOWED = {
     "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel"},
     "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
-    "rollout": {"npu_ops", "records", "domains", "checkpoint"},  # the engine, engine groups
+    "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups
     "partial": {"records", "rollout", "tracking"},  # carried groups across steps
-    "weight_sync": {"npu_ops", "fsdp_utils", "offload"},  # the push, the engine's turn
+    "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint"},  # the push, the engine's turn
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
     "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
     "logprobs": {"moe", "seq_parallel"},  # the model's logprobs: packing, the output layer
