@@ -1,10 +1,13 @@
 """Config plumbing: YAML file and `--section.key=value` overrides into a dataclass tree, and the
-checks that need no model.
+walk over its sections' checks.
 
 The tree itself is train_grpo.Config (one dataclass per YAML section, each defined next to the
 code that uses it). Precedence: command line > file > defaults. Values are coerced to the field's
 type (PyYAML reads 1e-6 as a string); an unknown section or key raises with the closest valid
-name; `validate` checks the cross-section constraints before anything loads.
+name. `validate` checks every field against its domain, then lets each section check itself
+against the rest of the tree (its dataclass's `check`) before anything loads; `check_model` and
+`check_host_memory` do the same against the model's files and the host's memory. The checks
+live with their sections: this module imports none of the sections' modules.
 """
 
 import dataclasses
@@ -14,27 +17,8 @@ import json
 import os
 import typing
 
-import torch
-
-import distill
 import domains
-import episodes
-import fsdp_utils
-import grpo
-import kernels
-import moe
-import npu_ops
-import offload
-import partial
-import rewards
-import seq_parallel
-
-
-class BadInput(ValueError):
-    """The user's config, data or reward plugin is wrong, found by our own checks before any model
-    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
-    like any. Only our checks raise it: an exception from inside another library surfaces as it
-    is, with its traceback."""
+from domains import BadInput  # raised here, and caught as config.BadInput (train_grpo.main)
 
 
 def _closest(name: str, options) -> str:
@@ -235,230 +219,55 @@ def help_text(tree: type, section: str | None = None) -> str:
     return "\n".join(rows).lstrip("\n")
 
 
+def _sections(cfg):
+    """Every section of the config tree `cfg`, each before its sub-sections (model, model.lora,
+    optim, rollout, rollout.partial, ...): the order in which their checks run."""
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(section := getattr(cfg, f.name)):
+            yield section
+            yield from _sections(section)
+
+
 def validate(cfg, world_size: int) -> None:
     """Checks that need no model: fail in a second, not after minutes of loading. `cfg` resolved
     (train_grpo.prepare: presets and the tiny task's paths filled in). Every field against its
-    domain, then what spans fields (`_check_sizes`), the other modules' checks of their
-    sections, and the paths."""
+    domain, then each section's `check(cfg, world_size)`, defined on its dataclass next to the
+    code that uses it: its rules across its fields and the other sections', where a ValueError
+    (the section's own module's, as rewards.validate's) becomes BadInput."""
     for name, value, domain, default in fields(cfg):
         if (problem := domain.problem(value)) is not None:
             raise BadInput(f"config: {name}={value!r}: {problem}. Fix: change {name}, or leave "
                            f"it out for its default {default!r}")
-    _check_sizes(cfg, world_size)
-    _check_experts(cfg)
-    _check_sequence_parallel(cfg, world_size)
-    _check_agent(cfg)
-    r = cfg.rollout
-    try:  # the other modules' own checks of their sections, each a one-line ValueError
-        kernels.kernel_path(cfg.model.fused_kernels)  # a bad mode, or a missing kernel library
-        npu_ops.attention_implementation(cfg.model.attn_implementation)  # likewise
-        npu_ops.check_platform(not r.enforce_eager, r.temperature, r.top_p,  # graph mode,
-                               cfg.model.lora.rank > 0, r.matmul_allreduce,  # sampling, LoRA,
-                               r.tp_size)  # the fused matmul + all-reduce
-        rewards.validate(cfg.reward)  # every reward function resolves, in this process
-        episodes.validate(cfg.env, cfg.data.max_prompt_len, r.max_model_len)  # and the env
-        partial.validate(r.partial, r.max_new_tokens)  # partial rollout's rules
-        grpo.validate(cfg.grpo)  # the surrogates' rules
-        npu_ops.check_experts(r.expert_parallel, cfg.model.routing_replay)  # the engine's
-        distill.validate(cfg.distill, cfg.grpo.dynamic_sampling)  # the teacher's path
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    _check_paths(cfg)
-
-
-def _check_experts(cfg) -> None:
-    """A mixture of experts' options where they can work (the platform's part: npu_ops.
-    check_experts; whether the model has experts: check_model)."""
-    r = cfg.rollout
-    _need(not r.expert_parallel or r.tp_size > 1, "rollout.expert_parallel=true with "
-          "rollout.tp_size=1: one rank holds every expert anyway. Fix: rollout.tp_size > 1")
-    _need(not cfg.model.routing_replay or not (cfg.env.name or r.partial.enabled),
-          "model.routing_replay=true with episodes (env.name) or partial rollout: a sample "
-          "written over several engine calls carries no routing yet. Fix: "
-          "model.routing_replay=false, or one-turn samples")
-
-
-def _check_agent(cfg) -> None:
-    """env.kind agent with the rest of the run (its own fields: episodes.validate)."""
-    if cfg.env.kind != "agent":
-        return
-    _need("agent" in cfg.reward.funcs, f"env.kind=agent with reward.funcs={cfg.reward.funcs}: "
-          "the agent's returned reward is the reward named `agent`. Fix: add agent to "
-          "reward.funcs, e.g. reward.funcs=[agent]")
-    p = cfg.rollout.partial
-    _need(not p.enabled or p.round_tokens == 0, "env.kind=agent with rollout.partial."
-          f"round_tokens={p.round_tokens}: an agent's step ends when enough of its groups have "
-          "returned, not at a token budget. Fix: rollout.partial.round_tokens=0 and "
-          "rollout.partial.oversample > 1")
-
-
-def _check_sequence_parallel(cfg, world_size: int) -> None:
-    """model.sp_size > 1 where it is built: packed rows, and an attention that takes a row's
-    boundaries."""
-    sp, g = cfg.model.sp_size, cfg.grpo
-    if sp == 1:
-        return
-    _need(world_size % sp == 0, f"model.sp_size={sp} must divide the world size {world_size}")
-    _need(g.pack, f"model.sp_size={sp} with grpo.pack=false: sequence parallel splits packed "
-          "rows. Fix: grpo.pack=true")
-    attn = npu_ops.attention_implementation(cfg.model.attn_implementation)
-    _need(attn in ("sdpa", "packed_sdpa", npu_ops.FUSION_ATTENTION),
-          f"model.sp_size={sp} with attention {attn!r}: Ulysses wraps packed_sdpa or the "
-          "platform's fused attention. Fix: model.attn_implementation=auto")
-
-
-def _need(ok, msg: str) -> None:
-    if not ok:
-        raise BadInput(f"config: {msg}")
-
-
-def _check_sizes(cfg, world_size: int) -> None:
-    """The batch's arithmetic over ranks and engine groups, lengths, and dtypes."""
-    r, g = cfg.rollout, cfg.grpo
-    _need(world_size % r.tp_size == 0,
-          f"rollout.tp_size={r.tp_size} must divide the world size {world_size}")
-    engines = world_size // r.tp_size
-    _need(g.prompts_per_step % engines == 0,
-          f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of "
-          f"engine groups (world {world_size} / rollout.tp_size {r.tp_size} = {engines})")
-    _need(g.prompts_per_step // engines * g.group_size % r.tp_size == 0,
-          "the samples of one engine group (prompts_per_step / engines * group_size) must split "
-          f"evenly over its {r.tp_size} tensor-parallel ranks")
-    _need(r.max_new_tokens < r.max_model_len,
-          f"rollout.max_new_tokens={r.max_new_tokens} must be below rollout.max_model_len")
-    _need(cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
-          f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
-          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len})")
-    per_rank = g.prompts_per_step // engines * g.group_size // r.tp_size
-    _need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
-          f"and the samples per rank ({per_rank})")
-    _need(not cfg.model.lora.rank or cfg.model.lora.target_modules,
-          "model.lora.target_modules is empty with model.lora.rank > 0. Fix: name the layers "
-          f"that get adapters, e.g. [{', '.join(fsdp_utils.LORA_MODULES)}]")
-    _need(g.max_gen_rounds == 1 or (g.dynamic_sampling and g.max_gen_rounds > 1),
-          f"grpo.max_gen_rounds={g.max_gen_rounds}: more than 1 needs "
-          "grpo.dynamic_sampling=true")
-    _need(g.overlong != "penalty" or 0 < g.overlong_buffer <= r.max_new_tokens,
-          f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
-          f"({r.max_new_tokens}); got {g.overlong_buffer}")
-    compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, r.dtype))
-    _need(r.sync_by == "tensor" or compute >= engine,
-          f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which "
-          f"would round the {r.dtype} engine's weights. Fix: rollout.sync_by=tensor, or the "
-          "same dtypes")
-
-
-def _check_paths(cfg) -> None:
-    """model.path a model directory or a hub id (data sources are checked when they load,
-    data.py), and log.out_dir a directory that can be written."""
-    path = cfg.model.path
-    _need(path and (os.path.isdir(path) or path.count("/") == 1),
-          f"model.path='{path}' is neither a directory nor a hub id (org/name)")
-    _need(not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")),
-          f"model.path='{path}' has no config.json: not a Hugging Face model directory. Fix: "
-          "point model.path at the directory with config.json and the weights")
-    out = os.path.abspath(cfg.log.out_dir)
-    _need(not os.path.exists(out) or os.path.isdir(out),
-          f"log.out_dir='{cfg.log.out_dir}' is a file. Fix: give a directory path")
-    existing = out
-    while not os.path.exists(existing):  # the nearest ancestor that exists must take new files
-        existing = os.path.dirname(existing)
-    _need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
-          f"log.out_dir='{cfg.log.out_dir}' cannot be written ({existing} is not a writable "
-          "directory). Fix: choose a directory you can write")
-
-
-def check_host_memory(cfg, world_size: int) -> None:
-    """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
-    (with model.offload), the reference (with grpo.kl_coef > 0) and the teacher (with
-    distill.teacher); the bytes come from the models' config.json
-    (offload.host_bytes_per_rank), not their weights."""
-    compute, lora = getattr(torch, cfg.model.param_dtype), cfg.model.lora.rank > 0
-    ref_dtype = compute if cfg.grpo.kl_coef > 0 and not lora else None  # LoRA: the actor's base
-    on, teacher = offload.enabled(cfg.model.offload), cfg.distill.teacher
-    if not (on or ref_dtype or teacher):
-        return
-    need = offload.host_bytes_per_rank(cfg.model.path, world_size, on, ref_dtype,
-                                       compute if lora else None)
-    if os.path.isdir(teacher):  # parked like a reference, in its own dtype
-        need += offload.host_bytes_per_rank(teacher, world_size, False, getattr(
-            torch, cfg.distill.dtype or cfg.model.param_dtype))
-    try:
-        offload.check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                  offload.host_memory_available())
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-
-
-def _check_heads_and_experts(cfg, text: dict) -> None:
-    """model.sp_size against the model's attention heads, and the options of a mixture of
-    experts against a model that has experts (text: its config.json's language part)."""
-    heads = text.get("num_attention_heads")
-    if cfg.model.sp_size > 1 and heads:
-        try:
-            seq_parallel.kv_copies(heads, text.get("num_key_value_heads") or heads,
-                                   cfg.model.sp_size)
-        except ValueError as e:
-            raise BadInput(f"config: {e}") from None
-    for field_name, on in (("model.routing_replay", cfg.model.routing_replay),
-                           ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
-        if on and not moe.is_moe(text):
-            raise BadInput(f"config: {field_name}=true on a {text.get('model_type')!r} model, "
-                           f"which has no experts. Fix: {field_name}=false")
+    for section in _sections(cfg):
+        if hasattr(section, "check"):
+            try:
+                section.check(cfg, world_size)
+            except ValueError as e:
+                raise BadInput(str(e)) from None
 
 
 def check_model(cfg) -> None:
     """The checks that need the model's own files, read without loading it (config.json and the
-    tokenizer's files, never the weights): rollout.max_model_len within the model's positions,
-    a KV cache (rollout.kv_cache_memory_bytes) that holds one request of max_model_len tokens,
-    a chat template where data.chat_template asks for one, and a teacher (distill.teacher) of
-    the same tokenizer. BadInput naming the field. A model.path that is a hub id, not a
-    directory, is left to the loaders."""
-    path, r = cfg.model.path, cfg.rollout
-    try:
-        distill.check_files(cfg.distill, path)  # the teacher's tokenizer is the student's
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    tokenizer's files, never the weights): each section's `check_model(cfg, text)`, `text` the
+    config.json's language part; as rollout.max_model_len within the model's positions, or a
+    chat template where data.chat_template asks for one. Each raises BadInput itself, so an
+    error inside another library (a file that does not parse) keeps its traceback. A
+    model.path that is a hub id, not a directory, is left to the loaders."""
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
         return
-    with open(os.path.join(path, "config.json")) as f:
+    with open(path) as f:
         text = json.load(f)
     text = text.get("text_config", text)  # a multimodal model's language part
-    kind = text.get("model_type")
-    _check_heads_and_experts(cfg, text)
-    if cfg.model.lora.rank and kind not in fsdp_utils.FAMILIES:
-        raise BadInput(f"config: model.lora.rank={cfg.model.lora.rank} on a {kind!r} model: "
-                       "adapters go on the linear layers fsdp_utils.LORA_MODULES names, in the "
-                       f"families of fsdp_utils.FAMILIES ({', '.join(fsdp_utils.FAMILIES)}). Fix: "
-                       "add the family's row (and its layers' names), or model.lora.rank=0")
-    positions = text.get("max_position_embeddings")
-    if positions and r.max_model_len > positions:
-        raise BadInput(f"config: rollout.max_model_len={r.max_model_len} is more than the "
-                       f"model's {positions} positions (max_position_embeddings in {path}/"
-                       f"config.json). Fix: rollout.max_model_len <= {positions}")
-    if r.kv_cache_memory_bytes:
-        heads = text["num_attention_heads"]
-        kv_heads = max(1, text.get("num_key_value_heads", heads) // r.tp_size)  # per rank
-        head_dim = text.get("head_dim") or text["hidden_size"] // heads
-        per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * getattr(
-            torch, r.dtype).itemsize  # a key and a value per layer and KV head
-        block = r.block_size or 128  # the largest platform default (vLLM on CPU: 128 tokens)
-        need = -(-r.max_model_len // block) * block * per_token
-        if r.kv_cache_memory_bytes < need:
-            raise BadInput(
-                f"config: rollout.kv_cache_memory_bytes={r.kv_cache_memory_bytes} cannot hold "
-                f"one request of rollout.max_model_len={r.max_model_len} tokens ({per_token} "
-                f"bytes a token for this model in {r.dtype}, in blocks of {block} tokens). Fix: "
-                f"at least {need}, or 0 to size the cache by rollout.gpu_memory_utilization")
-    if cfg.data.chat_template:
-        found = [name for name in ("chat_template.jinja", "chat_template.json")
-                 if os.path.isfile(os.path.join(path, name))]
-        settings = os.path.join(path, "tokenizer_config.json")
-        if not found and os.path.isfile(settings):
-            with open(settings) as f:
-                found = ["tokenizer_config.json"] if json.load(f).get("chat_template") else []
-        if not found:
-            raise BadInput(f"config: data.chat_template=true, but the tokenizer in {path} has "
-                           "no chat template (no chat_template.jinja, nor one in "
-                           "tokenizer_config.json). Fix: data.chat_template=false (plain text "
-                           "prompts), or a model with a chat template")
+    for section in _sections(cfg):
+        if hasattr(section, "check_model"):
+            section.check_model(cfg, text)
+
+
+def check_host_memory(cfg, world_size: int) -> None:
+    """BadInput if this node's ranks cannot hold in host memory what the run parks there (the
+    actor and its Adam state with model.offload, a reference, a teacher): each section's
+    `check_host_memory(cfg, world_size)` (fsdp_utils.ModelConfig's)."""
+    for section in _sections(cfg):
+        if hasattr(section, "check_host_memory"):
+            section.check_host_memory(cfg, world_size)

@@ -4,7 +4,7 @@
 file, or a directory written by `save_to_disk`), turns each prompt into token ids (plain text or
 chat messages, optionally through the tokenizer's chat template), extracts the gold answer, and
 drops prompts longer than `data.max_prompt_len`. Every bad input fails with a one-line
-config.BadInput that names the config field and the fix, before any model is built; an error
+domains.BadInput that names the config field and the fix, before any model is built; an error
 from inside datasets or the tokenizer surfaces as it is.
 """
 
@@ -16,9 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated
 
-import config
 import plugins
-from domains import FLAG, Anything, OneOf, Range
+from domains import FLAG, Anything, BadInput, OneOf, Range
 
 log = logging.getLogger("grpo")
 
@@ -47,7 +46,7 @@ class DataConfig:
     prompt_suffix: Annotated[str, Anything("free text")] = ""
     # a system turn with chat_template, else text before a blank line
     system_prompt: Annotated[str, Anything("free text")] = ""
-    # render the prompt with the tokenizer's chat template (which config.check_model looks for)
+    # render the prompt with the tokenizer's chat template (check_model looks for one)
     chat_template: Annotated[bool, FLAG] = False
     max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
     # if set: create the built-in tiny model + prompts here if missing
@@ -58,6 +57,23 @@ class DataConfig:
     #   (tiny_task.CHAT_TEMPLATE) when tiny_task_dir is created: what an agent's calls need
     tiny_task_chat: Annotated[bool, FLAG] = False
 
+    def check_model(self, cfg, text: dict) -> None:
+        """A chat template in model.path's tokenizer files where chat_template asks for one
+        (config.check_model calls it)."""
+        if not self.chat_template:
+            return
+        path = cfg.model.path
+        found = [name for name in ("chat_template.jinja", "chat_template.json")
+                 if os.path.isfile(os.path.join(path, name))]
+        settings = os.path.join(path, "tokenizer_config.json")
+        if not found and os.path.isfile(settings):
+            with open(settings) as f:
+                found = ["tokenizer_config.json"] if json.load(f).get("chat_template") else []
+        if not found:
+            raise BadInput(f"config: data.chat_template=true, but the tokenizer in {path} has "
+                           "no chat template (no chat_template.jinja, nor one in "
+                           "tokenizer_config.json). Fix: data.chat_template=false (plain text "
+                           "prompts), or a model with a chat template")
 
 
 def gsm8k_answer(text: str) -> str | None:
@@ -106,8 +122,8 @@ def apply_preset(cfg: DataConfig) -> DataConfig:
     if not cfg.preset:
         return dataclasses.replace(cfg)
     if cfg.preset not in PRESETS:
-        raise config.BadInput(f"data.preset={cfg.preset!r} is unknown. Fix: use one of "
-                              f"{sorted(PRESETS)} or leave it empty")
+        raise BadInput(f"data.preset={cfg.preset!r} is unknown. Fix: use one of "
+                       f"{sorted(PRESETS)} or leave it empty")
     defaults = DataConfig()
     own_source = cfg.path != defaults.path
     values = {k: v for k, v in PRESETS[cfg.preset].items() if k != "extract"
@@ -127,16 +143,16 @@ def _count_json_rows(path: str, ext: str, field: str) -> int:
             try:
                 return len(json.load(f) or ())
             except json.JSONDecodeError as e:
-                raise config.BadInput(f"{field}={path}: not JSON ({e}). Fix: make it a list of "
-                                      "objects, one per row") from None
+                raise BadInput(f"{field}={path}: not JSON ({e}). Fix: make it a list of "
+                               "objects, one per row") from None
         rows = 0
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise config.BadInput(f"{field}={path}: line {n} is not JSON ({e}). Fix: make "
-                                          "each line one JSON object, or remove the line") from None
+                    raise BadInput(f"{field}={path}: line {n} is not JSON ({e}). Fix: make "
+                                   "each line one JSON object, or remove the line") from None
                 rows += 1
         return rows
 
@@ -163,43 +179,43 @@ def read_rows(path: str, split: str, config_name: str = "", field: str = "data.p
 
     ext = os.path.splitext(path)[1].lower()
     if os.path.isfile(path) and ext not in _FILE_KINDS:
-        raise config.BadInput(f"{field}={path}: unsupported file type {ext!r}. Fix: use a "
-                              ".parquet, .jsonl or .json file, a save_to_disk directory or a "
-                              "hub id")
+        raise BadInput(f"{field}={path}: unsupported file type {ext!r}. Fix: use a "
+                       ".parquet, .jsonl or .json file, a save_to_disk directory or a "
+                       "hub id")
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in
                                        ("dataset_info.json", "dataset_dict.json")):
-        raise config.BadInput(f"{field}={path} is a directory but not one written by datasets' "
-                              "save_to_disk. Fix: point it at a saved dataset or at a "
-                              ".parquet/.jsonl/.json file")
+        raise BadInput(f"{field}={path} is a directory but not one written by datasets' "
+                       "save_to_disk. Fix: point it at a saved dataset or at a "
+                       ".parquet/.jsonl/.json file")
     if os.path.exists(path):
         source = path
         if os.path.isfile(os.path.join(path, "dataset_dict.json")):  # a saved DatasetDict
             with open(os.path.join(path, "dataset_dict.json")) as f:
                 splits = json.load(f)["splits"]
             if split not in splits:
-                raise config.BadInput(f"{split_field}={split!r}: {field}={path} has splits "
-                                      f"{sorted(splits)}. Fix: set {split_field} to one of them")
+                raise BadInput(f"{split_field}={split!r}: {field}={path} has splits "
+                               f"{sorted(splits)}. Fix: set {split_field} to one of them")
             source = os.path.join(path, split)
         if _count_rows(source, ext, field) == 0:
-            raise config.BadInput(f"{field}={path}: no rows (an empty file or dataset). Fix: point "
-                                  f"{field} at a dataset with rows")
+            raise BadInput(f"{field}={path}: no rows (an empty file or dataset). Fix: point "
+                           f"{field} at a dataset with rows")
         if os.path.isdir(source):
             return datasets.load_from_disk(source)
         return datasets.load_dataset(_FILE_KINDS[ext], data_files=path, split="train")
     if ext in _FILE_KINDS or not _HUB_ID.fullmatch(path):
-        raise config.BadInput(f"{field}={path!r}: no such file or directory. Fix: point {field} "
-                              "at an existing file or directory, or at a hub dataset id 'org/name'")
+        raise BadInput(f"{field}={path!r}: no such file or directory. Fix: point {field} "
+                       "at an existing file or directory, or at a hub dataset id 'org/name'")
     try:
         return datasets.load_dataset(path, name=config_name or None, split=split)
     except ValueError as e:  # datasets' answer about the user's names: an unknown config or split
-        raise config.BadInput(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
-                              f"{split!r}): {plugins.one_line(e)}. Fix: set data.config_name and "
-                              f"{split_field} to ones the dataset has") from None
+        raise BadInput(f"{field}={path} (data.config_name={config_name!r}, {split_field}="
+                       f"{split!r}): {plugins.one_line(e)}. Fix: set data.config_name and "
+                       f"{split_field} to ones the dataset has") from None
     except (ConnectionError, FileNotFoundError) as e:  # offline, or no such dataset on the hub
-        raise config.BadInput(f"{field}={path} is not a local path, and the Hugging Face hub is "
-                              f"unreachable (offline?) or has no dataset {path} "
-                              f"({plugins.one_line(e)}). Fix: download it where the hub is reachable "
-                              f"and point {field} at the saved directory or file") from None
+        raise BadInput(f"{field}={path} is not a local path, and the Hugging Face hub is "
+                       f"unreachable (offline?) or has no dataset {path} "
+                       f"({plugins.one_line(e)}). Fix: download it where the hub is reachable "
+                       f"and point {field} at the saved directory or file") from None
 
 
 def _is_messages(prompt) -> bool:
@@ -216,18 +232,18 @@ def prompt_messages(cfg: DataConfig, prompt, where: str) -> list[dict]:
         messages = [{"role": "user", "content": prompt}]
     elif _is_messages(prompt):
         if not cfg.chat_template:
-            raise config.BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds chat "
-                                  "messages, which need a chat template. Fix: set "
-                                  "data.chat_template=true")
+            raise BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds chat "
+                           "messages, which need a chat template. Fix: set "
+                           "data.chat_template=true")
         messages = [dict(m) for m in prompt]  # copies: the suffix must not edit the row
     else:
-        raise config.BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds a "
-                              f"{type(prompt).__name__}, neither text nor a list of {{'role', "
-                              f"'content'}} dicts. Fix: point data.prompt_key at a prompt column")
+        raise BadInput(f"{where}: data.prompt_key={cfg.prompt_key!r} holds a "
+                       f"{type(prompt).__name__}, neither text nor a list of {{'role', "
+                       f"'content'}} dicts. Fix: point data.prompt_key at a prompt column")
     users = [m for m in messages if m["role"] == "user"]
     if cfg.prompt_suffix and not users:
-        raise config.BadInput(f"{where}: the messages have no user turn for data.prompt_suffix. "
-                              f"Fix: add one to the data or set data.prompt_suffix=''")
+        raise BadInput(f"{where}: the messages have no user turn for data.prompt_suffix. "
+                       f"Fix: add one to the data or set data.prompt_suffix=''")
     if users:
         users[-1]["content"] += cfg.prompt_suffix
     if cfg.system_prompt and messages[0]["role"] != "system":  # the row's own system turn wins
@@ -265,16 +281,16 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
     field = "data.path" if path == cfg.path else "data.eval_path"
     split_field = "data.split" if split == cfg.split else "data.eval_split"
     if not path:
-        raise config.BadInput(f"{field} is empty. Fix: set it to a hub id, a file or a directory, "
-                              f"or set data.preset")
+        raise BadInput(f"{field} is empty. Fix: set it to a hub id, a file or a directory, "
+                       f"or set data.preset")
     extract = PRESETS[cfg.preset]["extract"] if cfg.preset else None
     ds = read_rows(path, split, cfg.config_name, field, split_field)
     # both columns are checked up front (even on an empty set); answer_key="" opts out of answers
     for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
         if key and key not in ds.column_names:
-            raise config.BadInput(f"data.{name}={key!r} is not a column of {field}={path} "
-                                  f"(columns: {ds.column_names}). Fix: set data.{name} to one of "
-                                  "them")
+            raise BadInput(f"data.{name}={key!r} is not a column of {field}={path} "
+                           f"(columns: {ds.column_names}). Fix: set data.{name} to one of "
+                           "them")
     examples, too_long, no_gold = [], 0, 0
     for i, row in enumerate(ds):
         messages = prompt_messages(cfg, row[cfg.prompt_key], f"{field}={path} row {i}")
@@ -294,11 +310,11 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
              "data.max_prompt_len=%d, %d without a gold answer", len(examples), path, split,
              too_long, cfg.max_prompt_len, no_gold)
     if not examples:
-        raise config.BadInput(f"{field}={path} (split {split!r}): no example left of {len(ds)} "
-                              f"rows ({too_long} longer than data.max_prompt_len="
-                              f"{cfg.max_prompt_len} "
-                              f"tokens, {no_gold} without a gold answer). Fix: raise "
-                              f"data.max_prompt_len or check the data")
+        raise BadInput(f"{field}={path} (split {split!r}): no example left of {len(ds)} "
+                       f"rows ({too_long} longer than data.max_prompt_len="
+                       f"{cfg.max_prompt_len} "
+                       f"tokens, {no_gold} without a gold answer). Fix: raise "
+                       f"data.max_prompt_len or check the data")
     return examples
 
 

@@ -48,7 +48,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import tracking
-from domains import Anything, OneOf, Range
+from domains import Anything, BadInput, OneOf, Range
 
 
 @dataclass
@@ -67,6 +67,17 @@ class DistillConfig:
     reward_coef: Annotated[float, Range(0)] = 0.0
     # the teacher's compute dtype; "": model.param_dtype
     dtype: Annotated[str, OneOf("", "bfloat16", "float16", "float32")] = ""
+
+    def check(self, cfg, world_size: int) -> None:
+        """config.validate's call: the teacher's path and its signal (`validate`)."""
+        validate(self, cfg.grpo.dynamic_sampling)
+
+    def check_model(self, cfg, text: dict) -> None:
+        """config.check_model's call: the teacher's tokenizer is the student's (`check_files`)."""
+        try:
+            check_files(self, cfg.model.path)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
 
 
 def validate(cfg: DistillConfig, dynamic_sampling: bool) -> None:

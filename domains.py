@@ -6,13 +6,28 @@ config.validate checks every field against its domain before any model loads, wi
 that names the field, the value, what it must be and the default; tests/test_config.py walks the
 config tree and tries values outside each domain (`outside`), so a field without a domain, or a
 domain whose check is gone, fails there. Checks across fields (batch divisibility, lengths) and
-of the model's own properties (positions, KV cache, chat template) stay in config.py.
+of the model's own properties (positions, KV cache, chat template) are each section's own: its
+dataclass's `check` and `check_model`, which config.py walks; they raise `BadInput` (`need`).
 
 A leaf module: every section's dataclass imports it, and it imports nothing of the project.
 """
 
 import math
 import numbers
+
+
+class BadInput(ValueError):
+    """The user's config, data or reward plugin is wrong, found by our own checks before any model
+    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
+    like any. Only our checks raise it: an exception from inside another library surfaces as it
+    is, with its traceback. (config.BadInput is this class: config.py raises it too.)"""
+
+
+def need(ok, msg: str) -> None:
+    """A section's rule across fields: BadInput "config: msg" (the field, its value, the fix)
+    where `ok` is false."""
+    if not ok:
+        raise BadInput(f"config: {msg}")
 
 
 class Domain:

@@ -34,7 +34,7 @@ import plugins
 import records
 import rollout
 import sandbox
-from domains import FLAG, Anything, OneOf, Range
+from domains import FLAG, Anything, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 
@@ -70,6 +70,20 @@ class EnvConfig:
     # name "python": run it although the host lacks file or network isolation for the model's
     #   code (sandbox.missing() names what is missing; the run says it at start-up)
     unsafe_ok: Annotated[bool, FLAG] = False
+
+    def check(self, cfg, world_size: int) -> None:
+        """The section against the run (config.validate calls it): an agent's reward and the
+        rounds its step takes, then the section itself (`validate`)."""
+        if self.kind == "agent":
+            need("agent" in cfg.reward.funcs, f"env.kind=agent with reward.funcs="
+                 f"{cfg.reward.funcs}: the agent's returned reward is the reward named `agent`. "
+                 "Fix: add agent to reward.funcs, e.g. reward.funcs=[agent]")
+            p = cfg.rollout.partial
+            need(not p.enabled or p.round_tokens == 0, "env.kind=agent with rollout.partial."
+                 f"round_tokens={p.round_tokens}: an agent's step ends when enough of its groups "
+                 "have returned, not at a token budget. Fix: rollout.partial.round_tokens=0 and "
+                 "rollout.partial.oversample > 1")
+        validate(self, cfg.data.max_prompt_len, cfg.rollout.max_model_len)
 
 
 def validate(cfg: EnvConfig, max_prompt_len: int, max_model_len: int) -> None:

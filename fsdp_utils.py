@@ -11,6 +11,7 @@ Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts
 import contextlib
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -24,7 +25,7 @@ import moe
 import npu_ops
 import offload
 import seq_parallel
-from domains import DTYPE, FLAG, Anything, Items, OneOf, Range
+from domains import DTYPE, FLAG, Anything, BadInput, Items, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 
@@ -43,6 +44,12 @@ class LoraConfig:
     # the decoder's linear layers that get adapters
     target_modules: Annotated[list[str], Items(OneOf(*LORA_MODULES))] = field(
         default_factory=lambda: list(LORA_MODULES))
+
+    def check(self, cfg, world_size: int) -> None:
+        """config.validate's call: adapters name the layers they go on."""
+        need(not self.rank or self.target_modules, "model.lora.target_modules is empty with "
+             "model.lora.rank > 0. Fix: name the layers that get adapters, e.g. "
+             f"[{', '.join(LORA_MODULES)}]")
 
 
 @dataclass
@@ -71,6 +78,79 @@ class ModelConfig:
     # sequence parallel (Ulysses): this many consecutive ranks share each packed row of the
     #   update, 1/sp of its tokens each, attention over all tokens for 1/sp of the heads
     sp_size: Annotated[int, Range(1)] = 1
+
+    def check(self, cfg, world_size: int) -> None:
+        """The section against the run, before any model loads (config.validate calls it): a
+        mixture of experts' options where they can work (whether the model has experts:
+        check_model), sequence parallelism where it is built (packed rows, an attention that
+        takes a row's boundaries), the kernels and attention this platform has, and path a
+        model directory or a hub id."""
+        r = cfg.rollout
+        need(not r.expert_parallel or r.tp_size > 1, "rollout.expert_parallel=true with "
+             "rollout.tp_size=1: one rank holds every expert anyway. Fix: rollout.tp_size > 1")
+        need(not self.routing_replay or not (cfg.env.name or r.partial.enabled),
+             "model.routing_replay=true with episodes (env.name) or partial rollout: a sample "
+             "written over several engine calls carries no routing yet. Fix: "
+             "model.routing_replay=false, or one-turn samples")
+        if (sp := self.sp_size) > 1:
+            need(world_size % sp == 0, f"model.sp_size={sp} must divide the world size "
+                 f"{world_size}")
+            need(cfg.grpo.pack, f"model.sp_size={sp} with grpo.pack=false: sequence parallel "
+                 "splits packed rows. Fix: grpo.pack=true")
+            attn = npu_ops.attention_implementation(self.attn_implementation)
+            need(attn in ("sdpa", "packed_sdpa", npu_ops.FUSION_ATTENTION),
+                 f"model.sp_size={sp} with attention {attn!r}: Ulysses wraps packed_sdpa or the "
+                 "platform's fused attention. Fix: model.attn_implementation=auto")
+        kernels.kernel_path(self.fused_kernels)  # a bad mode, or a missing kernel library
+        npu_ops.attention_implementation(self.attn_implementation)  # likewise
+        npu_ops.check_experts(r.expert_parallel, self.routing_replay)  # what the engine returns
+        path = self.path
+        need(path and (os.path.isdir(path) or path.count("/") == 1),
+             f"model.path='{path}' is neither a directory nor a hub id (org/name)")
+        need(not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")),
+             f"model.path='{path}' has no config.json: not a Hugging Face model directory. Fix: "
+             "point model.path at the directory with config.json and the weights")
+
+    def check_model(self, cfg, text: dict) -> None:
+        """sp_size against the model's attention heads, a mixture of experts' options against a
+        model that has experts, and adapters on a family we know (`text`: the model's
+        config.json, its language part). config.check_model calls it."""
+        heads, kind = text.get("num_attention_heads"), text.get("model_type")
+        if self.sp_size > 1 and heads:
+            try:
+                seq_parallel.kv_copies(heads, text.get("num_key_value_heads") or heads,
+                                       self.sp_size)
+            except ValueError as e:
+                raise BadInput(f"config: {e}") from None
+        for name, on in (("model.routing_replay", self.routing_replay),
+                         ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
+            need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
+                 f"experts. Fix: {name}=false")
+        need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
+             f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
+             f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
+             "family's row (and its layers' names), or model.lora.rank=0")
+
+    def check_host_memory(self, cfg, world_size: int) -> None:
+        """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
+        (with offload), the reference (with grpo.kl_coef > 0) and the teacher (with
+        distill.teacher); the bytes come from the models' config.json
+        (offload.host_bytes_per_rank), not their weights. config.check_host_memory calls it."""
+        compute, lora = getattr(torch, self.param_dtype), self.lora.rank > 0
+        ref_dtype = compute if cfg.grpo.kl_coef > 0 and not lora else None  # LoRA: the base
+        on, teacher = offload.enabled(self.offload), cfg.distill.teacher
+        if not (on or ref_dtype or teacher):
+            return
+        need_bytes = offload.host_bytes_per_rank(self.path, world_size, on, ref_dtype,
+                                                 compute if lora else None)
+        if os.path.isdir(teacher):  # parked like a reference, in its own dtype
+            need_bytes += offload.host_bytes_per_rank(teacher, world_size, False, getattr(
+                torch, cfg.distill.dtype or self.param_dtype))
+        try:
+            offload.check_host_memory(need_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                      offload.host_memory_available())
+        except ValueError as e:
+            raise BadInput(str(e)) from None
 
 
 @dataclass

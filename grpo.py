@@ -44,7 +44,7 @@ import fsdp_utils
 import logprobs
 import moe
 import tracking
-from domains import FLAG, OneOf, Range
+from domains import FLAG, OneOf, Range, need
 
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant")
@@ -118,6 +118,19 @@ class GRPOConfig:
     pack: Annotated[bool, FLAG] = True
     # output-layer rows at a time: at most (chunk x vocab) fp32 logits
     logprob_chunk: Annotated[int, Range(1)] = 1024
+
+    def check(self, cfg, world_size: int) -> None:
+        """The section against the run (config.validate calls it): dynamic sampling's rounds,
+        the overlong penalty's buffer within a response, then the surrogates' rules
+        (`validate`). The batch's arithmetic over ranks: rollout.RolloutConfig.check."""
+        need(self.max_gen_rounds == 1 or (self.dynamic_sampling and self.max_gen_rounds > 1),
+             f"grpo.max_gen_rounds={self.max_gen_rounds}: more than 1 needs "
+             "grpo.dynamic_sampling=true")
+        max_new_tokens = cfg.rollout.max_new_tokens
+        need(self.overlong != "penalty" or 0 < self.overlong_buffer <= max_new_tokens,
+             f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
+             f"({max_new_tokens}); got {self.overlong_buffer}")
+        validate(self)
 
 
 def validate(cfg: GRPOConfig) -> None:

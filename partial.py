@@ -50,20 +50,6 @@ from tracking import Max, Mean, Sum
 log = logging.getLogger("grpo")
 
 
-def validate(cfg, max_new_tokens: int) -> None:
-    """The `rollout.partial` fields (rollout.PartialConfig) across each other; a one-line
-    ValueError naming the field."""
-    if not cfg.enabled:
-        return
-    if cfg.round_tokens == 0 and cfg.oversample == 1:
-        raise ValueError("rollout.partial.enabled needs rollout.partial.round_tokens > 0 or "
-                         "rollout.partial.oversample > 1: with neither, every step still waits "
-                         "for its longest response. Fix: e.g. rollout.partial.oversample=1.5")
-    if cfg.round_tokens >= max_new_tokens:
-        raise ValueError(f"rollout.partial.round_tokens={cfg.round_tokens} never cuts a turn of "
-                         f"rollout.max_new_tokens={max_new_tokens}. Fix: a smaller budget, or 0")
-
-
 class PartialRollout:
     """An engine group's groups in flight, carried from step to step (lists of group_size
     episodes.Episode, oldest first), and the rounds of a step (`collect`). cfg: the run's config

@@ -139,6 +139,10 @@ class RewardConfig:
     # calls of `async def` rewards in flight at once, in one worker's event loop
     concurrency: Annotated[int, Range(1)] = 64
 
+    def check(self, cfg, world_size: int) -> None:
+        """config.validate's call: the section alone (`validate`, every function resolved)."""
+        validate(self)
+
 
 SIGNATURE = "def fn(completion: str, example: dict) -> float"
 

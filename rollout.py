@@ -27,10 +27,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Annotated
 
-import checkpoint
 import npu_ops
 import records
-from domains import DTYPE, FLAG, OneOf, Range
+from domains import DTYPE, FLAG, BadInput, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 
@@ -59,6 +58,21 @@ class PartialConfig:
     stale: Annotated[str, OneOf("keep", "mask")] = "keep"
     # a group whose oldest token is more than this many versions old is dropped
     max_staleness: Annotated[int, Range(1)] = 4
+
+    def check(self, cfg, world_size: int) -> None:
+        """The fields across each other and rollout.max_new_tokens (config.validate calls it)."""
+        if not self.enabled:
+            return
+        if self.round_tokens == 0 and self.oversample == 1:
+            raise ValueError("rollout.partial.enabled needs rollout.partial.round_tokens > 0 or "
+                             "rollout.partial.oversample > 1: with neither, every step still "
+                             "waits for its longest response. Fix: e.g. "
+                             "rollout.partial.oversample=1.5")
+        max_new_tokens = cfg.rollout.max_new_tokens
+        if self.round_tokens >= max_new_tokens:
+            raise ValueError(f"rollout.partial.round_tokens={self.round_tokens} never cuts a turn "
+                             f"of rollout.max_new_tokens={max_new_tokens}. Fix: a smaller budget, "
+                             "or 0")
 
 
 @dataclass
@@ -101,6 +115,66 @@ class RolloutConfig:
     #   reproducible runs and bit-exact resume, but vLLM samples with per-request generators
     # carry unfinished samples across steps: a step stops waiting for its longest response
     partial: PartialConfig = field(default_factory=PartialConfig)  # (partial.py)
+
+    def check(self, cfg, world_size: int) -> None:
+        """The batch's arithmetic over ranks and engine groups, the lengths, the weight sync's
+        dtypes, and the engine's options on this platform (config.validate calls it; a mixture
+        of experts' options: fsdp_utils.ModelConfig.check)."""
+        import torch
+
+        g, tp = cfg.grpo, self.tp_size
+        need(world_size % tp == 0, f"rollout.tp_size={tp} must divide the world size {world_size}")
+        engines = world_size // tp
+        need(g.prompts_per_step % engines == 0,
+             f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the number of "
+             f"engine groups (world {world_size} / rollout.tp_size {tp} = {engines})")
+        need(g.prompts_per_step // engines * g.group_size % tp == 0,
+             "the samples of one engine group (prompts_per_step / engines * group_size) must "
+             f"split evenly over its {tp} tensor-parallel ranks")
+        need(self.max_new_tokens < self.max_model_len,
+             f"rollout.max_new_tokens={self.max_new_tokens} must be below rollout.max_model_len")
+        need(cfg.data.max_prompt_len + self.max_new_tokens <= self.max_model_len,
+             f"data.max_prompt_len + rollout.max_new_tokens must be <= rollout.max_model_len "
+             f"({cfg.data.max_prompt_len} + {self.max_new_tokens} > {self.max_model_len})")
+        per_rank = g.prompts_per_step // engines * g.group_size // tp
+        need(g.mini_batches <= per_rank, f"grpo.mini_batches={g.mini_batches} must be between 1 "
+             f"and the samples per rank ({per_rank})")
+        compute, engine = (getattr(torch, d).itemsize for d in (cfg.model.param_dtype, self.dtype))
+        need(self.sync_by == "tensor" or compute >= engine,
+             f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which "
+             f"would round the {self.dtype} engine's weights. Fix: rollout.sync_by=tensor, or "
+             "the same dtypes")
+        npu_ops.check_platform(not self.enforce_eager, self.temperature, self.top_p,  # graph
+                               cfg.model.lora.rank > 0, self.matmul_allreduce, tp)  # mode, LoRA
+
+    def check_model(self, cfg, text: dict) -> None:
+        """max_model_len within the model's positions, and a KV cache (kv_cache_memory_bytes)
+        that holds one request of max_model_len tokens; `text`: the model's config.json (its
+        language part). config.check_model calls it."""
+        import torch
+
+        path = cfg.model.path
+        positions = text.get("max_position_embeddings")
+        if positions and self.max_model_len > positions:
+            raise BadInput(f"config: rollout.max_model_len={self.max_model_len} is more than the "
+                           f"model's {positions} positions (max_position_embeddings in {path}/"
+                           f"config.json). Fix: rollout.max_model_len <= {positions}")
+        if not self.kv_cache_memory_bytes:
+            return
+        heads = text["num_attention_heads"]
+        kv_heads = max(1, text.get("num_key_value_heads", heads) // self.tp_size)  # per rank
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * getattr(
+            torch, self.dtype).itemsize  # a key and a value per layer and KV head
+        block = self.block_size or 128  # the largest platform default (vLLM on CPU: 128 tokens)
+        need_bytes = -(-self.max_model_len // block) * block * per_token
+        if self.kv_cache_memory_bytes < need_bytes:
+            raise BadInput(
+                f"config: rollout.kv_cache_memory_bytes={self.kv_cache_memory_bytes} cannot hold "
+                f"one request of rollout.max_model_len={self.max_model_len} tokens ({per_token} "
+                f"bytes a token for this model in {self.dtype}, in blocks of {block} tokens). "
+                f"Fix: at least {need_bytes}, or 0 to size the cache by "
+                "rollout.gpu_memory_utilization")
 
 
 def seed_from(*parts) -> int:
@@ -205,7 +279,9 @@ class Engine:
         self.weights_awake = self.kv_cache_awake = True
         self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
-        self.adapter = None  # with LoRA: the request every call makes (load_adapter)
+        self.adapter = None  # with LoRA: the request every call makes (add_adapter)
+        ram = "/dev/shm" if os.path.isdir("/dev/shm") else None  # with LoRA: the adapter's files
+        self.adapter_dir = tempfile.mkdtemp("-adapter", dir=ram) if self.lora else None
         self.streams = 0  # stream() calls: its request ids are never reused
 
     def sampling(self, n: int, max_tokens: int, greedy: bool = False, seed: int | None = None,
@@ -336,8 +412,8 @@ class Engine:
             self.wake(["kv_cache"])
         del self.llm
         cleanup_dist_env_and_memory()
-        if self.adapter is not None:
-            shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def load_weights(self, named_tensors) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
@@ -348,27 +424,31 @@ class Engine:
         _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
         self.llm.reset_prefix_cache()
 
-    def load_adapter(self, layers: dict) -> None:
+    def load_adapter(self, layers: dict) -> bool:
         """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
         layer: (lora_A (rank, in), lora_B (out, rank))}, whole tensors in the engine's dtype, in
-        place into its slot (`_write_adapter`); the first time, or if vLLM let the slot go,
-        registered anew from a peft-format copy on a RAM-backed path. Then the prefix cache is
-        dropped: its keys carry the adapter's name, not its weights (docs/engine.md, "LoRA")."""
-        from vllm.lora.request import LoRARequest
-
+        place into its slot (`_write_adapter`), then drop the prefix cache: its keys carry the
+        adapter's name, not its weights (docs/engine.md, "LoRA"). False where there is no slot
+        (the first time, or vLLM let it go): weight_sync.load then calls add_adapter."""
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
         _check_version()
         scaling = self.lora.alpha / self.lora.rank
         if self.adapter is None or not all(self.llm.collective_rpc(
                 _write_adapter, args=(layers, self.adapter.lora_int_id, scaling))):
-            if self.adapter is None:
-                ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                self.adapter = LoRARequest("actor", 1, tempfile.mkdtemp("-adapter", dir=ram))
-            else:
-                self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
-            checkpoint.save_adapter(self.adapter.lora_path, layers, self.lora)
-            self.llm.llm_engine.add_lora(self.adapter)
+            return False
+        self.llm.reset_prefix_cache()
+        return True
+
+    def add_adapter(self) -> None:
+        """Register adapter_dir's files (peft's format) as the slot, anew where vLLM let it go."""
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter is None:
+            self.adapter = LoRARequest("actor", 1, self.adapter_dir)
+        else:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        self.llm.llm_engine.add_lora(self.adapter)
         self.llm.reset_prefix_cache()
 
 

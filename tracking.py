@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 
-from domains import Anything, Items, OneOf, Range
+from domains import Anything, Items, OneOf, Range, need
 
 
 @dataclass
@@ -46,6 +46,18 @@ class LogConfig:
         default_factory=list)
     # steps to profile, e.g. [3, 4]: a trace per rank under out_dir/profile (docs/metrics.md)
     profile_steps: Annotated[list[int], Items(Range(1))] = field(default_factory=list)
+
+    def check(self, cfg, world_size: int) -> None:
+        """out_dir a directory that can be written, or made in one (config.validate calls it)."""
+        out = os.path.abspath(self.out_dir)
+        need(not os.path.exists(out) or os.path.isdir(out),
+             f"log.out_dir='{self.out_dir}' is a file. Fix: give a directory path")
+        existing = out
+        while not os.path.exists(existing):  # the nearest ancestor that exists must take files
+            existing = os.path.dirname(existing)
+        need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+             f"log.out_dir='{self.out_dir}' cannot be written ({existing} is not a writable "
+             "directory). Fix: choose a directory you can write")
 
 log = logging.getLogger("grpo")
 

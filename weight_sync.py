@@ -21,7 +21,10 @@ named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...),
   bench/weight_sync.py times both (docs/benchmarks.md has what it printed).
 With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
 whole (all of them in one all-gather: `gather_rows`) into `rollout.Engine.load_adapter`, which
-writes them into the engine's adapter slot in place; the engine's base never changes.
+writes them into the engine's adapter slot in place; the engine's base never changes. Where
+there is no slot to write (the first push, or vLLM let it go), the adapter is written in peft's
+format (`checkpoint.save_adapter`, as the export writes it) into the engine's directory for it,
+which `rollout.Engine.add_adapter` registers.
 
 `EngineTurn` is the engine's turn around the push: the memory moves, the wakes, and the sleep.
 """
@@ -32,6 +35,7 @@ import time
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import checkpoint
 import fsdp_utils
 import npu_ops
 import offload
@@ -147,7 +151,10 @@ def load(model: torch.nn.Module, engine) -> int:
     rank must call. Returns the bytes sent."""
     stats, dtype = {"bytes": 0}, getattr(torch, engine.cfg.dtype)
     if engine.lora is not None:
-        engine.load_adapter(full_adapters(model, dtype, stats))
+        layers = full_adapters(model, dtype, stats)
+        if not engine.load_adapter(layers):  # no slot to write in place: register the files
+            checkpoint.save_adapter(engine.adapter_dir, layers, engine.lora)
+            engine.add_adapter()
     else:
         engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit"))
     return stats["bytes"]

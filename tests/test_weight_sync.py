@@ -122,7 +122,7 @@ def engine_with(fake):
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
     engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(), True, fake
     engine.kv_cache_awake, engine.weights_awake, engine.memory = True, True, {}
-    engine.lora = engine.adapter = None
+    engine.lora = engine.adapter = engine.adapter_dir = None
     return engine
 
 
