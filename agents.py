@@ -36,7 +36,6 @@ a longer max_tokens): the response's `overridden` says which it used. With parti
 
 import json
 import logging
-import math
 import queue
 import secrets
 import threading
@@ -46,7 +45,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import envs
 import episodes
-import partial
 import plugins
 import records
 import rollout
@@ -376,7 +374,7 @@ class Work:
 class AgentRunner:
     """Runs a rollout's samples as agents' episodes (the module's docstring says how), with the
     interface episodes.EpisodeRunner has for the sampler and eval: run() and close(); partial
-    rollout's collector is PartialAgents. cfg: the `env:` section; group: the
+    rollout's source is PartialAgents. cfg: the `env:` section; group: the
     rollout.EngineGroup, whose first rank alone serves and runs the agents."""
 
     def __init__(self, cfg, tokenizer, max_new_tokens: int, max_model_len: int, model: str,
@@ -687,86 +685,36 @@ def response(rid: str, w: Work, messages: list, tokenizer, model: str) -> dict:
 
 
 class PartialAgents:
-    """Partial rollout (partial.py) with agents, partial.PartialRollout's interface: groups of
-    episodes whose agents run on from step to step (`groups`, oldest first; the first rank's:
-    the others follow its engine steps and get its results). A step's generation ends once the
-    groups that the step still needs have all returned (rollout.partial.oversample x the share
-    in flight); the calls still in the engine then are cut where they are, their HTTP requests
-    held open through the update, and go on first in the next step, under the new weights, each
-    token's version kept. Agents between calls run on meanwhile: their calls wait in the queue.
-    A group whose oldest token is more than max_staleness versions old is dropped: its calls
-    refused, its agents' returns ignored. A checkpoint keeps no agent in flight (its state lives
-    in its worker process): a resumed run starts with none (the log says so)."""
+    """partial.PartialRollout's source for agents: groups of Episode whose agents run on from
+    step to step, their calls served by the engine group's first rank, which decides (`leads`;
+    the others step the engine as it says and get what it took). A step's generation ends once
+    the groups it still needs have all returned; the calls still in the engine are cut where
+    they are, their HTTP requests held open through the update, and go on first next step under
+    the new weights. A group dropped as too stale has its calls refused. A checkpoint keeps no
+    agent in flight (its state lives in its worker process: `keeps`)."""
 
-    def __init__(self, cfg, group, prompts, engine, runner: AgentRunner, score):
-        self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
-        self.engine, self.runner, self.score = engine, runner, score
-        self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
-        self.group_size = cfg.grpo.group_size
-        self.in_flight = math.ceil(self.share * self.cfg.oversample)
-        self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
-        self.groups, self.drawn, self.serving = [], 0, None
-        self.counts = {"dropped": 0, "generated": 0}
+    keeps = False
 
-    def collect(self, step: int) -> records.Rollout:
-        """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out),
-        each scored as it completes; the engine holds the weights of step - 1 steps trained."""
-        version, first = step - 1, self.group.first
-        if first:
+    def __init__(self, cfg, group, engine, runner: AgentRunner):
+        self.group_size, self.engine, self.runner = cfg.grpo.group_size, engine, runner
+        self.leads, self.serving = group.first, None
+
+    def begin(self, step: int) -> None:
+        """The first rank's endpoint (one for the run) at the weights version step - 1."""
+        if self.leads:
             self.serving = self.serving or Serving(self.runner, None, sampling(self.engine, False))
-            self.serving.version, self.serving.made_tokens = version, 0
-            stale = [g for g in self.groups if version - self.oldest(g, version)
-                     > self.cfg.max_staleness]
-            self.serving.drop([e for g in stale for e in g])
-            self.groups = [g for g in self.groups if all(g is not s for s in stale)]
-            self.counts["dropped"] = len(stale) * self.group_size
-        pieces, kept, drawn, rounds, seconds = [], 0, 0, 0, {"gen": 0.0, "reward": 0.0}
-        while True:
-            need, t = self.share - kept, time.perf_counter()
-            drawn += self.refill(drawn) if first else 0
-            self.runner.drive(self.engine, self.serving if first else None, False,
-                              lambda: self.ready(need))
-            piece, over = self.runner.share(lambda: self.take(need, drawn))
-            rounds, seconds["gen"] = rounds + 1, seconds["gen"] + time.perf_counter() - t
-            if piece.samples:
-                t = time.perf_counter()
-                rewards, keep = self.score(piece)
-                pieces.append((piece, rewards, keep))
-                kept += sum(keep)
-                seconds["reward"] += time.perf_counter() - t
-            if kept >= self.share or over:
-                break
-        self.counts["generated"] = self.serving.made_tokens if first else 0
-        env = sum((p.env for p, *_ in pieces), records.EnvCalls())
-        return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
+            self.serving.version, self.serving.made_tokens = step - 1, 0
 
-    def ready(self, need: int) -> bool:
-        """Whether `need` groups have all returned, or no agent in flight is left to wait for."""
-        complete = sum(all(e.done for e in g) for g in self.groups)
-        return complete >= need or all(e.done for g in self.groups for e in g)
+    def start(self, examples: list[dict], first: int) -> list:
+        """A group per example (drawn `first`, first + 1, ...), their agents one job."""
+        g = self.group_size
+        groups = [[Episode(example, (first + k) * g + j) for j in range(g)]
+                  for k, example in enumerate(examples)]
+        self.serving.start([e for group in groups for e in group])
+        return groups
 
-    def take(self, need: int, drawn: int) -> tuple:
-        """The complete groups (at most `need`) as one records.Generated, and whether the step
-        must end without more (its draws spent and nothing left in flight)."""
-        take = [g for g in self.groups if all(e.done for e in g)][:need]
-        self.groups = [g for g in self.groups if all(g is not t for t in take)]
-        self.runner.check([e for g in take for e in g])
-        over = drawn >= self.cap and not self.groups
-        return self.serving.generated([e for g in take for e in g], versions=True), over
-
-    def refill(self, drawn: int) -> int:
-        """Fresh groups in the places of those gone, at most cap drawn in a step (`drawn` so
-        far), their agents started as one job; returns how many it drew."""
-        fresh = []
-        while len(self.groups) + len(fresh) < self.in_flight and drawn + len(fresh) < self.cap:
-            example = self.prompts[self.group.index + self.group.count * self.drawn]
-            fresh.append([Episode(example, self.drawn * self.group_size + j)
-                          for j in range(self.group_size)])
-            self.drawn += 1
-        if fresh:
-            self.serving.start([e for g in fresh for e in g])
-            self.groups += fresh
-        return len(fresh)
+    def done(self, group: list) -> bool:
+        return all(e.done for e in group)
 
     def oldest(self, group: list, version: int) -> int:
         """The oldest weights version among the model tokens of `group`'s samples and of its
@@ -776,26 +724,55 @@ class PartialAgents:
                   for v in w.written[j][2]]
         return min(found, default=version)
 
-    def metrics(self, trained: list, version: int) -> dict:
-        carried = [e for g in self.groups for e in g]
-        held = sum(sum(s.mask) for e in carried for s in e.open)
-        held += sum(len(w.written[j][0]) for w, j in self.serving.carried) if self.serving else 0
-        return partial.metrics(trained, version, int(self.group.first), len(carried), held,
-                               self.counts)
+    def drop(self, groups: list) -> None:
+        if self.leads:
+            self.serving.drop([e for g in groups for e in g])
 
-    def state_dict(self) -> dict:
-        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
-                "groups": []}
+    def generate(self, groups: list, need: int, round_index: int) -> records.EnvCalls:
+        """Engine steps until `ready`; the agents' calls are counted as they are taken."""
+        self.runner.drive(self.engine, self.serving, False, lambda: ready(groups, need))
+        return records.EnvCalls()
 
-    def resume(self, state: dict | None, step: int) -> None:
-        """The data position a checkpoint of `step` saved; the agents it had in flight are gone
-        (their state lived in their worker process)."""
-        carry = (state or {}).get("carry")
-        if carry is not None and tuple(carry["engine"]) == (self.group.index, self.group.count):
-            self.drawn = carry["drawn"]
+    def generated(self, groups: list) -> records.Generated:
+        eps = [e for g in groups for e in g]
+        self.runner.check(eps)
+        return self.serving.generated(eps, versions=True)
+
+    def exhausted(self, groups: list) -> bool:
+        """With the step's draws spent, whether `groups` end it: no agent is left in flight."""
+        return not groups
+
+    def agree(self, answer):
+        """The first rank's `answer` on every rank of the engine group."""
+        return self.runner.share(lambda: answer)
+
+    @property
+    def made(self) -> int:
+        """The tokens the engine wrote for the agents this step."""
+        return self.serving.made_tokens if self.leads else 0
+
+    def held(self, groups: list) -> int:
+        """The model tokens of `groups`' samples and of the calls cut at the step's end."""
+        held = sum(sum(s.mask) for g in groups for e in g for s in e.open)
+        return held + (sum(len(w.written[j][0]) for w, j in self.serving.carried)
+                       if self.serving else 0)
+
+    def state(self, groups: list) -> list:
+        return []  # (their agents' state lives in their worker process)
+
+    def restore(self, states: list) -> list:
+        return []
+
+    def resumed(self, carried: int | None) -> None:
         log.warning("partial rollout with agents: a checkpoint keeps no agent in flight; the run "
                     "goes on with none")
 
     def close(self) -> None:
         if self.serving is not None:
             self.serving.close()
+
+
+def ready(groups: list, need: int) -> bool:
+    """Whether `need` of `groups` have all returned, or no agent in flight is left to wait for."""
+    complete = sum(all(e.done for e in g) for g in groups)
+    return complete >= need or all(e.done for g in groups for e in g)
