@@ -3,16 +3,16 @@
 With `env.kind: agent`, `env.name` names an `async def agent(base_url, example)` that returns
 its episode's reward (or (reward, info)) and talks to the model through any OpenAI-compatible
 client pointed at `base_url`. During the rollout each engine group's first rank serves
-`POST {base_url}/chat/completions` and `GET {base_url}/models` on 127.0.0.1 (`Endpoint`, a
-server per rollout, on a free port, gone when the rollout ends), each episode under a base URL
-of its own (a random key in the path) so that every call is its episode's. The agents run in the
-environment's worker (plugins.Worker: an event loop with env.concurrency agents at once, each
-cut at env.timeout_s) while this process's main thread steps the engine (`Serving`): each
-engine step takes every call that came in since the last, and the calls' requests are batched
-into the engine's own step loop (continuous batching: a call that arrives while others decode
-joins them at the next step). With rollout.tp_size > 1 the first rank of the engine group
-serves and hands each step's new requests to the group's other ranks, which add them and step
-with it (`AgentRunner._drive`).
+`POST {base_url}/chat/completions` and `GET {base_url}/models` on 127.0.0.1
+(`openai_api.Endpoint`, a server per rollout, on a free port, gone when the rollout ends), each
+episode under a base URL of its own (a random key in the path) so that every call is its
+episode's. The agents run in the environment's worker (plugins.Worker: an event loop with
+env.concurrency agents at once, each cut at env.timeout_s) while this process's main thread steps
+the engine (`Serving`): each engine step takes every call that came in since the last, and the
+calls' requests are batched into the engine's own step loop (continuous batching: a call that
+arrives while others decode joins them at the next step). With rollout.tp_size > 1 the first
+rank of the engine group serves and hands each step's new requests to the group's other ranks,
+which add them and step with it (`AgentRunner.drive`).
 
 Token-exact trajectories: the endpoint renders a call's messages to token ids once, with the
 tokenizer's chat template, and keeps them with the completion's ids and the engine's logprobs.
@@ -36,227 +36,20 @@ a longer max_tokens): the response's `overridden` says which it used. With parti
 
 import json
 import logging
-import math
 import queue
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import envs
 import episodes
-import partial
+import openai_api
 import plugins
 import records
 import rollout
 
 log = logging.getLogger("grpo")
-
-
-class BadCall(Exception):
-    """A call the endpoint refuses: its HTTP status and a one-line message."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def error_body(message: str, status: int) -> dict:
-    kind = {404: "not_found_error", 503: "service_unavailable"}.get(status,
-                                                                     "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-class Call:
-    """One chat-completions request, from the server's thread that holds its connection to the
-    main thread that serves it; `answer` hands the response back."""
-
-    def __init__(self, key: str, body: dict):
-        self.key, self.body = key, body
-        self.status, self.response, self.done = 503, None, threading.Event()
-
-    def answer(self, status: int, response: dict) -> None:
-        if not self.done.is_set():
-            self.status, self.response = status, response
-            self.done.set()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """Routes /e/<episode key>/v1/{chat/completions, models}; a chat call waits for its answer."""
-    protocol_version = "HTTP/1.1"  # keep-alive, as OpenAI clients expect
-    calls: queue.Queue = None
-    model: str = ""
-    closed = False  # set by Endpoint.close: a kept-alive connection outlives the listener
-
-    def log_message(self, *args) -> None:  # no line per request on stderr
-        pass
-
-    def _route(self) -> tuple[str | None, str]:
-        parts = self.path.split("?")[0].split("/")
-        if len(parts) >= 5 and parts[1] == "e" and parts[3] == "v1":
-            return parts[2], "/".join(parts[4:])
-        return None, ""
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the agent went (cut at its limit): nobody reads the answer
-            pass
-
-    def do_GET(self) -> None:
-        key, route = self._route()
-        if key is None or route != "models":
-            return self._reply(404, error_body(f"GET {self.path}: the endpoint serves "
-                                               "{base_url}/models and /chat/completions", 404))
-        self._reply(200, {"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "grpo"}]})
-
-    def do_POST(self) -> None:
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        key, route = self._route()
-        if key is None or route != "chat/completions":
-            return self._reply(404, error_body(f"POST {self.path}: the endpoint serves "
-                                               "{base_url}/chat/completions", 404))
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            return self._reply(400, error_body("the request body is not a JSON object", 400))
-        call = Call(key, body)
-        self.calls.put(call)
-        while not call.done.wait(0.2):  # nobody drains the queue once the endpoint is closed
-            if self.closed:
-                call.answer(503, error_body("the rollout is over", 503))
-        self._reply(call.status, call.response)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # every agent of a rollout may connect at once (env.concurrency): a backlog of socketserver's
-    #   default 5 overflowed at 64 and reset connections mid-request (ReadError in the client)
-    request_queue_size = 4096
-
-
-class Endpoint:
-    """The HTTP server of one rollout, on 127.0.0.1 and a free port, a thread per connection;
-    the calls it receives go to `calls`. close() stops it."""
-
-    def __init__(self, calls: queue.Queue, model: str):
-        self.handler = type("Handler", (_Handler,), {"calls": calls, "model": model})
-        self.server = _Server(("127.0.0.1", 0), self.handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,),
-                                       daemon=True)  # (close() waits up to that poll interval)
-        self.thread.start()
-
-    def url(self, key: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/e/{key}/v1"
-
-    def close(self) -> None:
-        self.handler.closed = True  # (a call on a connection kept alive is refused, not lost)
-        self.server.shutdown()
-        self.server.server_close()
-
-
-# ----------------------------------------------------------------------------------------------
-# a call's request, checked
-
-
-@dataclass
-class Request:
-    messages: list[dict]  # as the chat template takes them (for_template)
-    history: list  # each message as compared between calls (norm)
-    tools: list[dict]
-    n: int = 1
-    max_tokens: int | None = None
-    stop: list[str] | None = None
-    logprobs: bool = False
-    token_ids: bool = False  # return_token_ids: the prompt's and each completion's ids
-    parse_tools: bool = True
-    asked: dict = field(default_factory=dict)  # sampling settings the call asked for
-
-
-def text_of(content) -> str:
-    """A message's content as text: a string, None, or a list of text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise BadCall(400, "messages: a content that is not text (only text and text parts are "
-                       "served)")
-
-
-def _arguments(arguments):
-    """A tool call's arguments as the chat templates take them (a dict), where they parse."""
-    try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        return arguments
-
-
-def _tool_calls(m: dict) -> list[dict]:
-    calls = m.get("tool_calls") or []
-    if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(
-            c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-            for c in calls)):
-        raise BadCall(400, "messages: a tool_calls that is not a list of "
-                           "{'function': {'name', 'arguments'}}")
-    return calls
-
-
-def norm(m: dict) -> tuple:
-    """What two calls must share of a message for the later to extend the earlier: its role,
-    its text, its tool calls (name, arguments as parsed JSON)."""
-    calls = tuple((c["function"]["name"], json.dumps(_arguments(c["function"].get("arguments")),
-                                                     sort_keys=True)) for c in _tool_calls(m))
-    return m["role"], text_of(m.get("content")), calls
-
-
-def for_template(m: dict) -> dict:
-    out = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id")}
-    out["content"] = text_of(m.get("content"))
-    if calls := _tool_calls(m):
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
-            c["function"].get("arguments"))}} for c in calls]
-    return out
-
-
-def parse_request(body: dict) -> Request:
-    """A chat-completions body as a Request, or BadCall naming what it refuses."""
-    messages = body.get("messages")
-    if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-        raise BadCall(400, "messages: a non-empty list of {'role', 'content'} is required")
-    if body.get("stream"):
-        raise BadCall(400, "stream: true is not served; the response comes whole")
-    n = 1 if body.get("n") is None else body["n"]
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if not (isinstance(n, int) and 1 <= n <= 64):
-        raise BadCall(400, f"n={n!r}: an integer from 1 to 64")
-    if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
-        raise BadCall(400, f"max_tokens={max_tokens!r}: a positive integer")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s
-                                                               for s in stop)):
-        raise BadCall(400, "stop: a string or a list of non-empty strings")
-    tools, choice = body.get("tools") or [], body.get("tool_choice", "auto")
-    if not isinstance(tools, list) or choice not in ("auto", "none"):
-        raise BadCall(400, f"tools must be a list, and tool_choice 'auto' or 'none' (not "
-                           f"{choice!r}): the model's own choice is what is trained")
-    if body.get("top_logprobs"):
-        raise BadCall(400, "top_logprobs: only the sampled token's logprob is served")
-    return Request([for_template(m) for m in messages], [norm(m) for m in messages], tools, n,
-                   max_tokens, stop or None, bool(body.get("logprobs")),
-                   bool(body.get("return_token_ids")), choice != "none",
-                   {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,8 +60,8 @@ def parse_request(body: dict) -> Request:
 class Segment:
     """One sample of an agent's episode as it grows: its prompt, and after it the completions
     (mask 1, the engine's logprobs, the weights version that wrote each token) and the messages
-    between them (mask 0); `history`: the messages (norm) that a call must start with to extend
-    it, `tools` the tools it was rendered with."""
+    between them (mask 0); `history`: the messages (openai_api.norm) that a call must start
+    with to extend it, `tools` the tools it was rendered with."""
     prompt_ids: list[int]
     ids: list[int]
     mask: list[int]
@@ -302,7 +95,7 @@ class Episode:
         self.limited, self.conversation, self.tools, self.outcome = False, None, None, None
         self.done = self.dropped = False
 
-    def prompt(self, req: Request, runner: "AgentRunner") -> tuple:
+    def prompt(self, req: openai_api.Request, runner: "AgentRunner") -> tuple:
         """(the sample it extends or None, the tokens between, the call's prompt ids)."""
         tools = json.dumps(req.tools, sort_keys=True)
         bases = [s for s in self.open if s.tools == tools and len(s.history) < len(req.history)
@@ -317,8 +110,8 @@ class Episode:
             text = runner.tokenizer.apply_chat_template(
                 req.messages, tools=req.tools or None, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001  (the template's own refusal, e.g. no user turn)
-            raise BadCall(400, f"the chat template refused the messages: "
-                               f"{plugins.one_line(e)}") from None
+            raise openai_api.BadCall(400, f"the chat template refused the messages: "
+                                          f"{plugins.one_line(e)}") from None
         return None, [], runner.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def record(self, w: "Work", runner: "AgentRunner") -> list[dict]:
@@ -336,13 +129,14 @@ class Episode:
             seg = (w.base.extended(w.between, ids, logp, versions) if w.base is not None
                    else Segment(list(w.prompt), list(ids), [1] * len(ids), list(logp),
                                 list(versions)))
-            seg.history, seg.tools = req.history + [norm(message)], json.dumps(req.tools,
-                                                                               sort_keys=True)
+            seg.history = req.history + [openai_api.norm(message)]
+            seg.tools = json.dumps(req.tools, sort_keys=True)
             seg.truncated, seg.text = how == "length", content
             messages.append(message)
             made.append(seg)
         self.open = [s for s in self.open if s is not w.base] + made
-        self.conversation, self.tools = req.messages + [for_template(messages[-1])], req.tools
+        self.conversation = req.messages + [openai_api.for_template(messages[-1])]
+        self.tools = req.tools
         return messages
 
     def sample(self, versions: bool = False) -> records.Sample:
@@ -361,12 +155,12 @@ class Work:
     base: Segment | None
     between: list
     prompt: list
-    req: Request
+    req: openai_api.Request
     limit: int
     overridden: dict
     written: list = field(default_factory=list)
     how: list = field(default_factory=list)
-    call: Call | None = None  # the HTTP request that waits for the answer
+    call: openai_api.Call | None = None  # the HTTP request that waits for the answer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,7 +170,7 @@ class Work:
 class AgentRunner:
     """Runs a rollout's samples as agents' episodes (the module's docstring says how), with the
     interface episodes.EpisodeRunner has for the sampler and eval: run() and close(); partial
-    rollout's collector is PartialAgents. cfg: the `env:` section; group: the
+    rollout's source is PartialAgents. cfg: the `env:` section; group: the
     rollout.EngineGroup, whose first rank alone serves and runs the agents."""
 
     def __init__(self, cfg, tokenizer, max_new_tokens: int, max_model_len: int, model: str,
@@ -452,7 +246,7 @@ class AgentRunner:
         (rollout.EngineGroup.one_answer; they pass None); fn() alone without a group."""
         return self.group.one_answer(fn) if self.group is not None else fn()
 
-    def tool_calls(self, text: str, req: Request) -> tuple[str, list[dict]]:
+    def tool_calls(self, text: str, req: openai_api.Request) -> tuple[str, list[dict]]:
         """The model's text as (content, tool_calls in the OpenAI form), by env.tool_parser."""
         if not req.tools:
             return text, []
@@ -462,8 +256,8 @@ class AgentRunner:
                       "function": {"name": str(c["name"]), "arguments": str(c["arguments"])}}
                      for c in calls]
         except Exception as e:  # noqa: BLE001
-            raise BadCall(500, f"env.tool_parser {self.cfg.tool_parser!r} failed: "
-                               f"{plugins.one_line(e)}") from None
+            raise openai_api.BadCall(500, f"env.tool_parser {self.cfg.tool_parser!r} failed: "
+                                          f"{plugins.one_line(e)}") from None
         return content, calls
 
     def close(self) -> None:
@@ -489,7 +283,7 @@ class Serving:
         self.by_key, self.calls, self.outcomes = {}, queue.Queue(), queue.Queue()
         self.pending, self.carried, self.made, self.made_tokens = {}, [], 0, 0
         self.jobs, self.errors, self.t, self.seconds = [], [], time.perf_counter(), 0.0
-        self.endpoint = Endpoint(self.calls, runner.model)
+        self.endpoint = openai_api.Endpoint(self.calls, runner.model)
 
     def start(self, eps: list[Episode]) -> None:
         """The agents of `eps`, one job of an idle worker (a new one if none is idle)."""
@@ -532,27 +326,30 @@ class Serving:
             if adds or self.pending:
                 return adds
 
-    def accept(self, call: Call) -> list:
+    def accept(self, call: openai_api.Call) -> list:
         """A call's engine requests; a call refused is answered here."""
         r = self.runner
         try:
             e = self.by_key.get(call.key)
             if e is None or e.dropped:
-                raise BadCall(404, f"no episode {call.key!r} in this rollout (or it was dropped "
-                                   "as too stale): use the base_url the agent was given")
-            req = parse_request(call.body)
+                raise openai_api.BadCall(404, f"no episode {call.key!r} in this rollout (or it "
+                                              "was dropped as too stale): use the base_url the "
+                                              "agent was given")
+            req = openai_api.parse_request(call.body)
             if e.calls >= r.cfg.max_turns:
                 e.limited = True
-                raise BadCall(400, f"the episode made its env.max_turns={r.cfg.max_turns} calls")
+                raise openai_api.BadCall(400, f"the episode made its env.max_turns="
+                                              f"{r.cfg.max_turns} calls")
             base, between, prompt = e.prompt(req, r)
             used = 0 if base is None else len(base.ids) + len(between)
             room = min(r.max_new_tokens, r.cfg.max_tokens - used, r.max_model_len - len(prompt))
             if room < 1:
                 e.limited = True
-                raise BadCall(400, f"the episode's sample is at its env.max_tokens="
-                                   f"{r.cfg.max_tokens} (or rollout.max_model_len) limit")
-        except BadCall as b:
-            call.answer(b.status, error_body(str(b), b.status))
+                raise openai_api.BadCall(400, f"the episode's sample is at its env.max_tokens="
+                                              f"{r.cfg.max_tokens} (or rollout.max_model_len) "
+                                              "limit")
+        except openai_api.BadCall as b:
+            call.answer(b.status, openai_api.error_body(str(b), b.status))
             return []
         e.calls += 1
         limit = min(room, req.max_tokens or room)
@@ -570,7 +367,7 @@ class Serving:
         self.pending[rid] = (w, j)
         return rid, w.prompt + done, w.limit - len(done), seed, w.req.stop
 
-    def overridden(self, req: Request, limit: int) -> dict:
+    def overridden(self, req: openai_api.Request, limit: int) -> dict:
         """The settings the run used where the call asked for others."""
         out = {k: self.sampling[k] for k, v in req.asked.items() if v != self.sampling[k]}
         if req.max_tokens is not None and req.max_tokens > limit:
@@ -594,10 +391,10 @@ class Serving:
                 continue
             try:
                 messages = w.episode.record(w, self.runner)
-            except BadCall as b:
-                w.call.answer(b.status, error_body(str(b), b.status))
+            except openai_api.BadCall as b:
+                w.call.answer(b.status, openai_api.error_body(str(b), b.status))
                 continue
-            w.call.answer(200, response(rid, w, messages, self.runner.tokenizer,
+            w.call.answer(200, openai_api.response(rid, w, messages, self.runner.tokenizer,
                                         self.runner.model))
 
     def cut(self, cut: list) -> None:
@@ -614,11 +411,11 @@ class Serving:
         gone = [(w, j) for w, j in self.carried if w.episode.dropped]
         self.carried = [c for c in self.carried if not c[0].episode.dropped]
         for w, _ in gone:
-            w.call.answer(404, error_body("the episode was dropped as too stale", 404))
+            w.call.answer(404, openai_api.error_body("the episode was dropped as too stale", 404))
 
     def close(self) -> None:
         """Answer what still waits, stop the server, wait for the agents."""
-        over = error_body("the rollout is over", 503)
+        over = openai_api.error_body("the rollout is over", 503)
         for w, _ in list(self.pending.values()) + self.carried:
             w.call.answer(503, over)
         self.pending, self.carried = {}, []
@@ -659,114 +456,37 @@ class Serving:
                                  [e.limited for e in eps], env)
 
 
-def response(rid: str, w: Work, messages: list, tokenizer, model: str) -> dict:
-    """A call's answer in OpenAI's chat.completion form, with vLLM's token-id fields and ours
-    (`overridden`) where they apply."""
-    choices, req = [], w.req
-    for j, ((ids, logp, _), how, message) in enumerate(zip(w.written, w.how, messages)):
-        c = {"index": j, "message": message, "logprobs": None, "finish_reason":
-             "tool_calls" if message.get("tool_calls") else how}
-        if req.logprobs:
-            tokens = tokenizer.convert_ids_to_tokens(ids)
-            c["logprobs"] = {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logp)]}
-        if req.token_ids:
-            c["token_ids"] = list(ids)
-        choices.append(c)
-    done = sum(len(ids) for ids, _, _ in w.written)
-    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-           "model": model, "choices": choices,
-           "usage": {"prompt_tokens": len(w.prompt), "completion_tokens": done,
-                     "total_tokens": len(w.prompt) + done}}
-    if req.token_ids:
-        out["prompt_token_ids"] = list(w.prompt)
-    if w.overridden:
-        out["overridden"] = w.overridden
-    return out
-
-
 class PartialAgents:
-    """Partial rollout (partial.py) with agents, partial.PartialRollout's interface: groups of
-    episodes whose agents run on from step to step (`groups`, oldest first; the first rank's:
-    the others follow its engine steps and get its results). A step's generation ends once the
-    groups that the step still needs have all returned (rollout.partial.oversample x the share
-    in flight); the calls still in the engine then are cut where they are, their HTTP requests
-    held open through the update, and go on first in the next step, under the new weights, each
-    token's version kept. Agents between calls run on meanwhile: their calls wait in the queue.
-    A group whose oldest token is more than max_staleness versions old is dropped: its calls
-    refused, its agents' returns ignored. A checkpoint keeps no agent in flight (its state lives
-    in its worker process): a resumed run starts with none (the log says so)."""
+    """partial.PartialRollout's source for agents: groups of Episode whose agents run on from
+    step to step, their calls served by the engine group's first rank, which decides (`leads`;
+    the others step the engine as it says and get what it took). A step's generation ends once
+    the groups it still needs have all returned; the calls still in the engine are cut where
+    they are, their HTTP requests held open through the update, and go on first next step under
+    the new weights. A group dropped as too stale has its calls refused. A checkpoint keeps no
+    agent in flight (its state lives in its worker process: `keeps`)."""
 
-    def __init__(self, cfg, group, prompts, engine, runner: AgentRunner, score):
-        self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
-        self.engine, self.runner, self.score = engine, runner, score
-        self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
-        self.group_size = cfg.grpo.group_size
-        self.in_flight = math.ceil(self.share * self.cfg.oversample)
-        self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
-        self.groups, self.drawn, self.serving = [], 0, None
-        self.counts = {"dropped": 0, "generated": 0}
+    keeps = False
 
-    def collect(self, step: int) -> records.Rollout:
-        """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out),
-        each scored as it completes; the engine holds the weights of step - 1 steps trained."""
-        version, first = step - 1, self.group.first
-        if first:
+    def __init__(self, cfg, group, engine, runner: AgentRunner):
+        self.group_size, self.engine, self.runner = cfg.grpo.group_size, engine, runner
+        self.leads, self.serving = group.first, None
+
+    def begin(self, step: int) -> None:
+        """The first rank's endpoint (one for the run) at the weights version step - 1."""
+        if self.leads:
             self.serving = self.serving or Serving(self.runner, None, sampling(self.engine, False))
-            self.serving.version, self.serving.made_tokens = version, 0
-            stale = [g for g in self.groups if version - self.oldest(g, version)
-                     > self.cfg.max_staleness]
-            self.serving.drop([e for g in stale for e in g])
-            self.groups = [g for g in self.groups if all(g is not s for s in stale)]
-            self.counts["dropped"] = len(stale) * self.group_size
-        pieces, kept, drawn, rounds, seconds = [], 0, 0, 0, {"gen": 0.0, "reward": 0.0}
-        while True:
-            need, t = self.share - kept, time.perf_counter()
-            drawn += self.refill(drawn) if first else 0
-            self.runner.drive(self.engine, self.serving if first else None, False,
-                              lambda: self.ready(need))
-            piece, over = self.runner.share(lambda: self.take(need, drawn))
-            rounds, seconds["gen"] = rounds + 1, seconds["gen"] + time.perf_counter() - t
-            if piece.samples:
-                t = time.perf_counter()
-                rewards, keep = self.score(piece)
-                pieces.append((piece, rewards, keep))
-                kept += sum(keep)
-                seconds["reward"] += time.perf_counter() - t
-            if kept >= self.share or over:
-                break
-        self.counts["generated"] = self.serving.made_tokens if first else 0
-        env = sum((p.env for p, *_ in pieces), records.EnvCalls())
-        return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
+            self.serving.version, self.serving.made_tokens = step - 1, 0
 
-    def ready(self, need: int) -> bool:
-        """Whether `need` groups have all returned, or no agent in flight is left to wait for."""
-        complete = sum(all(e.done for e in g) for g in self.groups)
-        return complete >= need or all(e.done for g in self.groups for e in g)
+    def start(self, examples: list[dict], first: int) -> list:
+        """A group per example (drawn `first`, first + 1, ...), their agents one job."""
+        g = self.group_size
+        groups = [[Episode(example, (first + k) * g + j) for j in range(g)]
+                  for k, example in enumerate(examples)]
+        self.serving.start([e for group in groups for e in group])
+        return groups
 
-    def take(self, need: int, drawn: int) -> tuple:
-        """The complete groups (at most `need`) as one records.Generated, and whether the step
-        must end without more (its draws spent and nothing left in flight)."""
-        take = [g for g in self.groups if all(e.done for e in g)][:need]
-        self.groups = [g for g in self.groups if all(g is not t for t in take)]
-        self.runner.check([e for g in take for e in g])
-        over = drawn >= self.cap and not self.groups
-        return self.serving.generated([e for g in take for e in g], versions=True), over
-
-    def refill(self, drawn: int) -> int:
-        """Fresh groups in the places of those gone, at most cap drawn in a step (`drawn` so
-        far), their agents started as one job; returns how many it drew."""
-        fresh = []
-        while len(self.groups) + len(fresh) < self.in_flight and drawn + len(fresh) < self.cap:
-            example = self.prompts[self.group.index + self.group.count * self.drawn]
-            fresh.append([Episode(example, self.drawn * self.group_size + j)
-                          for j in range(self.group_size)])
-            self.drawn += 1
-        if fresh:
-            self.serving.start([e for g in fresh for e in g])
-            self.groups += fresh
-        return len(fresh)
+    def done(self, group: list) -> bool:
+        return all(e.done for e in group)
 
     def oldest(self, group: list, version: int) -> int:
         """The oldest weights version among the model tokens of `group`'s samples and of its
@@ -776,26 +496,55 @@ class PartialAgents:
                   for v in w.written[j][2]]
         return min(found, default=version)
 
-    def metrics(self, trained: list, version: int) -> dict:
-        carried = [e for g in self.groups for e in g]
-        held = sum(sum(s.mask) for e in carried for s in e.open)
-        held += sum(len(w.written[j][0]) for w, j in self.serving.carried) if self.serving else 0
-        return partial.metrics(trained, version, int(self.group.first), len(carried), held,
-                               self.counts)
+    def drop(self, groups: list) -> None:
+        if self.leads:
+            self.serving.drop([e for g in groups for e in g])
 
-    def state_dict(self) -> dict:
-        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
-                "groups": []}
+    def generate(self, groups: list, need: int, round_index: int) -> records.EnvCalls:
+        """Engine steps until `ready`; the agents' calls are counted as they are taken."""
+        self.runner.drive(self.engine, self.serving, False, lambda: ready(groups, need))
+        return records.EnvCalls()
 
-    def resume(self, state: dict | None, step: int) -> None:
-        """The data position a checkpoint of `step` saved; the agents it had in flight are gone
-        (their state lived in their worker process)."""
-        carry = (state or {}).get("carry")
-        if carry is not None and tuple(carry["engine"]) == (self.group.index, self.group.count):
-            self.drawn = carry["drawn"]
+    def generated(self, groups: list) -> records.Generated:
+        eps = [e for g in groups for e in g]
+        self.runner.check(eps)
+        return self.serving.generated(eps, versions=True)
+
+    def exhausted(self, groups: list) -> bool:
+        """With the step's draws spent, whether `groups` end it: no agent is left in flight."""
+        return not groups
+
+    def agree(self, answer):
+        """The first rank's `answer` on every rank of the engine group."""
+        return self.runner.share(lambda: answer)
+
+    @property
+    def made(self) -> int:
+        """The tokens the engine wrote for the agents this step."""
+        return self.serving.made_tokens if self.leads else 0
+
+    def held(self, groups: list) -> int:
+        """The model tokens of `groups`' samples and of the calls cut at the step's end."""
+        held = sum(sum(s.mask) for g in groups for e in g for s in e.open)
+        return held + (sum(len(w.written[j][0]) for w, j in self.serving.carried)
+                       if self.serving else 0)
+
+    def state(self, groups: list) -> list:
+        return []  # (their agents' state lives in their worker process)
+
+    def restore(self, states: list) -> list:
+        return []
+
+    def resumed(self, carried: int | None) -> None:
         log.warning("partial rollout with agents: a checkpoint keeps no agent in flight; the run "
                     "goes on with none")
 
     def close(self) -> None:
         if self.serving is not None:
             self.serving.close()
+
+
+def ready(groups: list, need: int) -> bool:
+    """Whether `need` of `groups` have all returned, or no agent in flight is left to wait for."""
+    complete = sum(all(e.done for e in g) for g in groups)
+    return complete >= need or all(e.done for g in groups for e in g)

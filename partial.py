@@ -35,6 +35,11 @@ in a step. With tensor parallelism every rank of an engine group makes the same 
 the same outputs and carries the same groups. A checkpoint keeps each rank's carried groups
 (state_dict); eval never sees them. Each engine group draws its own prompts from the shuffled
 data (every group.count-th, from its index), so the groups need not wait for each other.
+
+One loop serves every form (`PartialRollout.collect`: the refill, the staleness drop, the take
+and scoring of complete groups, the metrics and a checkpoint's state); what a group is and how it
+is generated is a source's: `Streams` for episodes (the rounds above), agents.PartialAgents for
+agents that speak OpenAI, whose calls the engine serves as they come (agents.py).
 """
 
 import copy
@@ -52,16 +57,19 @@ log = logging.getLogger("grpo")
 
 class PartialRollout:
     """An engine group's groups in flight, carried from step to step (lists of group_size
-    episodes.Episode, oldest first), and the rounds of a step (`collect`). cfg: the run's config
-    tree (its rollout.partial, rollout and grpo sections); group: the rollout.EngineGroup;
-    prompts[i]: the i-th prompt of the shuffled data, of which this engine group takes every
-    group.count-th from its index; runner: the episodes.EpisodeRunner; score(generated) ->
-    (records.Rewards, keep per group): the sampler's scoring of finished groups."""
+    episodes, oldest first), and the loop of a step (`collect`): the refill, the staleness drop,
+    generation until the step's groups are complete, their scoring as they complete; the
+    metrics and a checkpoint's state. How groups start and are generated is its source's:
+    `Streams` (episodes.EpisodeRunner's episodes, in rounds of engine.stream) or
+    agents.PartialAgents (agents whose calls the engine serves). cfg: the run's config tree (its
+    rollout.partial and grpo sections); group: the rollout.EngineGroup; prompts[i]: the i-th
+    prompt of the shuffled data, of which this engine group takes every group.count-th from its
+    index; score(generated) -> (records.Rewards, keep per group): the sampler's scoring of
+    finished groups."""
 
-    def __init__(self, cfg, group, prompts, engine, runner, score):
+    def __init__(self, cfg, group, prompts, source, score):
         self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
-        self.engine, self.runner, self.score = engine, runner, score
-        self.seed = cfg.rollout.seed if cfg.rollout.seed_per_step else None
+        self.source, self.score = source, score
         self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
         self.group_size = cfg.grpo.group_size
         self.in_flight = math.ceil(self.share * self.cfg.oversample)
@@ -74,61 +82,153 @@ class PartialRollout:
         """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out), each
         scored as it completes, carried groups first. The engine holds the weights of step - 1
         steps trained. Collecting a step again (the last try never finished: an error, Ctrl-C)
-        starts again from the state it began from."""
-        if step == self.step:
+        starts again from the state it began from, where the source's groups are data
+        (`keeps`); agents run on instead."""
+        if step == self.step and self.source.keeps:
             self.load_state_dict(self.saved)
         self.step, self.saved = step, copy.deepcopy(self.state_dict())
-        version = step - 1
-        stale = [g for g in self.groups if version - oldest(g, version) > self.cfg.max_staleness]
-        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
-        self.counts = {"dropped": len(stale) * self.group_size, "generated": 0}
+        self.source.begin(step)
+        self.drop_stale(step - 1)
         pieces, env, kept, drawn, rounds = [], records.EnvCalls(), 0, 0, 0
         seconds = {"gen": 0.0, "reward": 0.0}
         while True:
-            drawn += self.refill(drawn)
-            need = self.share - kept
-            live = [e for g in self.groups for e in g if not e.over]
-            if live and sum(done(g) for g in self.groups) < need:
-                t, rounds = time.perf_counter(), rounds + 1
-                seed = None if self.seed is None else rollout.seed_from(
-                    self.seed, step, self.group.index, rounds)
-                env += self.round(live, need, version, seed)
+            drawn += self.refill(drawn) if self.source.leads else 0
+            need, t = self.share - kept, time.perf_counter()
+            calls = self.source.generate(self.groups, need, rounds + 1)
+            if calls is not None:  # a round ran
+                rounds, env = rounds + 1, env + calls
                 seconds["gen"] += time.perf_counter() - t
-            take = [g for g in self.groups if done(g)][:need]
-            self.groups = [g for g in self.groups if all(g is not t for t in take)]
-            if take:
-                t = time.perf_counter()
-                piece = self.runner.finish([e for g in take for e in g], records.EnvCalls(), True)
+            t = time.perf_counter()
+            # a rank that does not lead holds no groups: it gets what the leading rank took
+            piece, over = self.source.agree(self.take(need, drawn) if self.source.leads else None)
+            if piece is not None:
                 rewards, keep = self.score(piece)
                 pieces.append((piece, rewards, keep))
-                kept += sum(keep)
+                kept, env = kept + sum(keep), env + piece.env
                 seconds["reward"] += time.perf_counter() - t
-            if kept >= self.share or (drawn >= self.cap and all(done(g) for g in self.groups)):
+            if kept >= self.share or over:
                 break
+        self.counts["generated"] = self.source.made
         return records.Rollout.join(pieces, self.group.per_engine(kept), env, rounds, seconds)
+
+    def drop_stale(self, version: int) -> None:
+        """The groups whose oldest token is more than max_staleness versions older than the
+        weights `version` leave, whole (counted in partial_dropped)."""
+        stale = [g for g in self.groups
+                 if version - self.source.oldest(g, version) > self.cfg.max_staleness]
+        self.source.drop(stale)
+        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
+        self.counts = {"dropped": len(stale) * self.group_size, "generated": 0}
 
     def refill(self, drawn: int) -> int:
         """Fresh groups in the places of those gone, at most cap drawn in a step (`drawn` so
-        far); returns how many it drew."""
-        n = 0
-        while len(self.groups) < self.in_flight and drawn + n < self.cap:
-            example = self.prompts[self.group.index + self.group.count * self.drawn]
-            self.groups.append([self.runner.start(example) for _ in range(self.group_size)])
-            self.drawn, n = self.drawn + 1, n + 1
+        far), started by the source; returns how many it drew."""
+        n = max(0, min(self.in_flight - len(self.groups), self.cap - drawn))
+        if n:
+            examples = [self.prompts[self.group.index + self.group.count * (self.drawn + k)]
+                        for k in range(n)]
+            self.groups += self.source.start(examples, self.drawn)
+            self.drawn += n
         return n
 
-    def round(self, live: list, need: int, version: int, seed) -> records.EnvCalls:
-        """One engine call for every live episode's turn: at most round_tokens of it, or with no
-        budget, stopped as soon as `need` groups have no turn left to write; then the
-        environment answers the turns that ended. Returns its calls' counts."""
+    def take(self, need: int, drawn: int) -> tuple:
+        """The complete groups (at most `need`, oldest first) as one records.Generated (None if
+        none), and whether the step ends without more: its draws spent (`drawn` of cap) and the
+        groups left as the source's `exhausted` says."""
+        take = [g for g in self.groups if self.source.done(g)][:need]
+        self.groups = [g for g in self.groups if all(g is not t for t in take)]
+        piece = self.source.generated(take) if take else None
+        return piece, drawn >= self.cap and self.source.exhausted(self.groups)
+
+    def state_dict(self) -> dict:
+        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
+                "groups": self.source.state(self.groups)}
+
+    def resume(self, state: dict | None, step: int) -> None:
+        """The data position and the groups a checkpoint of `step` carried (its rank's state,
+        from checkpoint.load_checkpoint), if it was saved with as many engine groups; the
+        source's log line says what goes on."""
+        self.step, self.saved = step, None
+        carry = (state or {}).get("carry")
+        mine = carry is not None and tuple(carry["engine"]) == (self.group.index,
+                                                                self.group.count)
+        if mine:
+            self.load_state_dict(carry)
+        self.source.resumed(len(self.groups) if mine else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+        self.groups = self.source.restore(state["groups"])
+
+    def metrics(self, trained: list, version: int) -> dict:
+        """The step's partial-rollout metrics (tracking.reduce): the samples and tokens carried
+        to the next step, those dropped as too stale, the tokens generated (counted once per
+        engine group), and over this rank's `trained` samples: the staleness of each (versions
+        between its oldest token and the weights trained) and the share of stale tokens."""
+        carried = sum(len(g) for g in self.groups)
+        return metrics(trained, version, int(self.group.first), carried,
+                       self.source.held(self.groups), self.counts)
+
+    def close(self) -> None:
+        """The source's work in flight ended (agents: their calls answered, their jobs joined)."""
+        self.source.close()
+
+
+class Streams:
+    """PartialRollout's source for episodes.EpisodeRunner's episodes: each turn a request of
+    engine.stream, generated in rounds. Every rank of an engine group makes the same decisions
+    from the same outputs (`leads`), and an episode is plain data that a checkpoint keeps and a
+    step run again starts from (`keeps`). cfg: the run's config tree; group: the
+    rollout.EngineGroup; runner: the episodes.EpisodeRunner."""
+
+    leads, keeps = True, True
+
+    def __init__(self, cfg, group, engine, runner):
+        self.cfg, self.group, self.engine, self.runner = cfg.rollout.partial, group, engine, runner
+        self.seed = cfg.rollout.seed if cfg.rollout.seed_per_step else None
+        self.group_size = cfg.grpo.group_size
+        self.step, self.made = 0, 0  # the step being collected; the tokens it generated
+
+    def begin(self, step: int) -> None:
+        self.step, self.made = step, 0
+
+    def start(self, examples: list[dict], first: int) -> list:
+        """A group of fresh episodes per example (drawn `first`, first + 1, ...)."""
+        return [[self.runner.start(example) for _ in range(self.group_size)]
+                for example in examples]
+
+    def done(self, group: list) -> bool:
+        return all(e.over for e in group)
+
+    def oldest(self, group: list, version: int) -> int:
+        """The oldest weights version among the model tokens the episodes of `group` hold (their
+        turns, and the turn each is writing); `version` when they hold none."""
+        found = [v for e in group for v, m in zip(e.versions, e.mask) if m]
+        found += [v for e in group if e.pending for v in e.pending[2]]
+        return min(found, default=version)
+
+    def drop(self, groups: list) -> None:
+        """Nothing of theirs runs between rounds: they are left as they are."""
+
+    def generate(self, groups: list, need: int, round_index: int) -> records.EnvCalls | None:
+        """Round `round_index` of the step, unless `need` groups are complete or no episode is
+        live: one engine call for every live episode's turn, at most round_tokens of it, or with
+        no budget, stopped as soon as `need` groups have no turn left to write; then the
+        environment answers the turns that ended. Returns its calls' counts, None when no round
+        ran."""
+        live = [e for g in groups for e in g if not e.over]
+        if not live or sum(self.done(g) for g in groups) >= need:
+            return None
+        seed = None if self.seed is None else rollout.seed_from(
+            self.seed, self.step, self.group.index, round_index)
         budget = self.cfg.round_tokens or math.inf
         limits = [e.limit - len(e.pending[0]) for e in live]
         asks = [min(m, budget) for m in limits]
-        group = {id(e): k for k, g in enumerate(self.groups) for e in g}
+        group = {id(e): k for k, g in enumerate(groups) for e in g}
         writing = {}  # group -> its episodes whose turn goes on
         for e in live:
             writing[group[id(e)]] = writing.get(group[id(e)], 0) + 1
-        out = [len(self.groups) - len(writing)]  # groups with no turn left to write
+        out = [len(groups) - len(writing)]  # groups with no turn left to write
 
         def stop(i: int, how: str) -> bool:
             if how == "stop" or asks[i] == limits[i]:  # its turn is over
@@ -140,49 +240,51 @@ class PartialRollout:
                                   seed, stop=None if self.cfg.round_tokens else stop)
         ended = []
         for e, (ids, logp, how) in zip(live, outs):
-            self.counts["generated"] += len(ids)
-            if self.runner.advance(e, ids, logp, how, version):
+            self.made += len(ids)
+            if self.runner.advance(e, ids, logp, how, self.step - 1):
                 ended.append(e)
         return self.runner.respond(ended)[1]
 
-    def state_dict(self) -> dict:
-        return {"engine": (self.group.index, self.group.count), "drawn": self.drawn,
-                "groups": [[e.state() for e in g] for g in self.groups]}
+    def generated(self, groups: list) -> records.Generated:
+        return self.runner.finish([e for g in groups for e in g], records.EnvCalls(), True)
 
-    def resume(self, state: dict | None, step: int) -> None:
-        """The groups a checkpoint of `step` carried (its rank's state, from
-        checkpoint.load_checkpoint), if it was saved with as many engine groups; else none, and
-        the log says so."""
-        self.step, self.saved = step, None
-        carry = (state or {}).get("carry")
-        if carry is None or tuple(carry["engine"]) != (self.group.index, self.group.count):
+    def exhausted(self, groups: list) -> bool:
+        """With the step's draws spent, whether `groups` end it: none has a turn to write."""
+        return all(self.done(g) for g in groups)
+
+    def agree(self, answer):
+        return answer  # every rank took the same
+
+    def held(self, groups: list) -> int:
+        """The model tokens the episodes of `groups` hold, the turns they are writing included."""
+        return sum(sum(e.mask) + len(e.pending[0] if e.pending else ())
+                   for g in groups for e in g)
+
+    def state(self, groups: list) -> list:
+        return [[e.state() for e in g] for g in groups]
+
+    def restore(self, states: list) -> list:
+        return [[self.runner.restore(copy.deepcopy(s)) for s in g] for g in states]
+
+    def resumed(self, carried: int | None) -> None:
+        """The log line of a resume: `carried` groups restored, None if the checkpoint had none
+        for this engine group."""
+        if carried is None:
             log.warning("partial rollout: the checkpoint holds no carried groups for engine group "
                         "%d of %d (saved without partial rollout, or with other engine groups): "
                         "starting with none", self.group.index, self.group.count)
-            return
-        self.load_state_dict(carry)
-        log.info("partial rollout: resumed %d carried groups", len(self.groups))
+        else:
+            log.info("partial rollout: resumed %d carried groups", carried)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.drawn = state["drawn"]
-        self.groups = [[self.runner.restore(copy.deepcopy(s)) for s in g]
-                       for g in state["groups"]]
-
-    def metrics(self, trained: list, version: int) -> dict:
-        """The step's partial-rollout metrics (tracking.reduce): the samples and tokens carried
-        to the next step, those dropped as too stale, the tokens generated (counted once per
-        engine group), and over this rank's `trained` samples: the staleness of each (versions
-        between its oldest token and the weights trained) and the share of stale tokens."""
-        carried = [e for g in self.groups for e in g]
-        held = sum(sum(e.mask) + len(e.pending[0] if e.pending else ()) for e in carried)
-        return metrics(trained, version, int(self.group.first), len(carried), held, self.counts)
+    def close(self) -> None:
+        """Nothing runs between steps."""
 
 
 def metrics(trained: list, version: int, first: int, carried: int, held: int,
             counts: dict) -> dict:
-    """PartialRollout.metrics' numbers (agents.PartialAgents' too): `carried` samples holding
-    `held` model tokens go on to the next step; counts: "dropped" and "generated" this step;
-    `first`: 1 on an engine group's first rank, which counts the group's numbers once."""
+    """PartialRollout.metrics' numbers: `carried` samples holding `held` model tokens go on to
+    the next step; counts: "dropped" and "generated" this step; `first`: 1 on an engine group's
+    first rank, which counts the group's numbers once."""
     ages = [age(s, version) for s in trained]
     written = [v for s in trained for v, m in zip(s.versions, s.mask or [1] * len(s.versions))
                if m]
@@ -191,18 +293,6 @@ def metrics(trained: list, version: int, first: int, carried: int, held: int,
             "gen_tokens": Sum(first * counts["generated"]),
             "stale_mean": Mean(sum(ages), len(ages)), "stale_max": Max(max(ages, default=0)),
             "stale_token_frac": Mean(sum(v < version for v in written), len(written))}
-
-
-def done(group: list) -> bool:
-    return all(e.over for e in group)
-
-
-def oldest(group: list, version: int) -> int:
-    """The oldest weights version among the model tokens the episodes of `group` hold (their
-    turns, and the turn each is writing); `version` when they hold none."""
-    found = [v for e in group for v, m in zip(e.versions, e.mask) if m]
-    found += [v for e in group if e.pending for v in e.pending[2]]
-    return min(found, default=version)
 
 
 def age(sample, version: int) -> int:

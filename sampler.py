@@ -8,8 +8,9 @@ behind the same call:
   the engine groups together kept prompts_per_step groups with signal, at most
   grpo.max_gen_rounds rounds;
 - partial rollout (rollout.partial.enabled): partial.PartialRollout, which carries unfinished
-  samples from step to step and stops a step's generation early (agents.PartialAgents with
-  env.kind agent: the agents' calls carried).
+  samples from step to step and stops a step's generation early, its groups episodes in rounds
+  (partial.Streams) or, with env.kind agent, agents whose calls are carried
+  (agents.PartialAgents).
 Either way it scores each finished group as it comes (`score`: its rewards, and whether it may
 train) and returns one records.Rollout, made in one place (records.Rollout.join).
 
@@ -44,9 +45,11 @@ class Sampler:
         self.limit = cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
         self.drop_failed = cfg.env.on_failure == "drop"
         self.step, self.start, self.drawn = 0, 0, 0  # the step collected last; data positions
-        carry = agents.PartialAgents if cfg.env.kind == "agent" else partial.PartialRollout
-        self.partial = (carry(cfg, group, prompts, engine, runner, self.score)
-                        if cfg.rollout.partial.enabled else None)
+        self.partial = None
+        if cfg.rollout.partial.enabled:
+            kind = agents.PartialAgents if cfg.env.kind == "agent" else partial.Streams
+            self.partial = partial.PartialRollout(cfg, group, prompts,
+                                                  kind(cfg, group, engine, runner), self.score)
 
     def collect(self, step: int) -> records.Rollout:
         """Step `step`'s rollout (module docstring)."""
@@ -98,7 +101,7 @@ class Sampler:
     def close(self) -> None:
         """Stop the reward and environment workers (the engine is the run's to shut down)."""
         try:
-            if isinstance(self.partial, agents.PartialAgents):  # its agents in flight end first
+            if self.partial is not None:  # the agents it has in flight end first
                 self.partial.close()
             self.scorer.close()
         finally:

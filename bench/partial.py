@@ -124,7 +124,9 @@ def main():
             return {**examples[k % len(examples)], "k": k}
 
     runner.start = start_with_its_length
-    pr = partial.PartialRollout(cfg, rollout.EngineGroup(1), Drawn(), engine, runner, score)
+    group = rollout.EngineGroup(1)
+    pr = partial.PartialRollout(cfg, group, Drawn(), partial.Streams(cfg, group, engine, runner),
+                                score)
     gen_s, tokens, rows = [], [], []
     for s in range(args.steps):
         ro = pr.collect(s + 1)  # the engine holds the weights of s steps trained

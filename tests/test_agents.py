@@ -12,6 +12,7 @@ import torch
 import agents
 import envs
 import episodes
+import openai_api
 import tiny_task
 from conftest import launch, run_python
 from test_templates import chat_tokenizer
@@ -92,8 +93,8 @@ def test_tool_results_between_turns_render_as_the_template_joins_them():
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not text"),
 ])
 def test_what_the_endpoint_refuses(body, says):
-    with pytest.raises(agents.BadCall, match=says) as e:
-        agents.parse_request(body)
+    with pytest.raises(openai_api.BadCall, match=says) as e:
+        openai_api.parse_request(body)
     assert e.value.status == 400 and "\n" not in str(e.value)
 
 
@@ -103,7 +104,7 @@ def test_a_request_as_the_chat_template_takes_it():
         {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function",
          "function": {"name": "calc", "arguments": "{\"b\": 1, \"a\": 2}"}}]}],
         "max_completion_tokens": 5, "stop": "x", "temperature": 0.3, "n": 2}
-    req = agents.parse_request(body)
+    req = openai_api.parse_request(body)
     assert req.messages[0] == {"role": "user", "content": "1+2"}
     assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 1}
     assert (req.n, req.max_tokens, req.stop, req.asked) == (2, 5, ["x"], {"temperature": 0.3})
@@ -111,7 +112,7 @@ def test_a_request_as_the_chat_template_takes_it():
     again = json.loads(json.dumps(body))
     again["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{\"a\": 2, \"b\": 1}"
     again["messages"][1]["content"] = ""
-    assert agents.parse_request(again).history == req.history
+    assert openai_api.parse_request(again).history == req.history
 
 
 def test_hermes_tool_calls():
@@ -220,7 +221,7 @@ def test_a_call_after_the_endpoint_closed_is_refused_not_lost():
     import time
 
     calls = queue.Queue()
-    endpoint = agents.Endpoint(calls, "m")
+    endpoint = openai_api.Endpoint(calls, "m")
     conn = http.client.HTTPConnection("127.0.0.1", endpoint.server.server_address[1], timeout=30)
     conn.request("GET", "/e/k/v1/models")
     assert json.loads(conn.getresponse().read())["data"][0]["id"] == "m"  # (kept alive)

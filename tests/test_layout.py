@@ -37,8 +37,10 @@ ALLOWED = {
     "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
+    "openai_api": set(),  # the chat-completions wire format, the HTTP endpoint that serves it
     # agents that speak OpenAI: an endpoint over the engine, their calls as samples
-    "agents": {"envs", "episodes", "partial", "plugins", "records", "rollout"},
+    "agents": {"envs", "episodes", "openai_api", "partial", "plugins", "records",
+               "rollout"},
     "sampler": {"agents", "grpo", "partial", "records", "rollout"},  # a step's rollout, one call
     "batcher": {"grpo", "records", "rollout"},  # a scored rollout -> this rank's grpo.Batch
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
@@ -138,7 +140,7 @@ def test_no_product_function_only_tests_call():
                 named.add(node.id)
             elif isinstance(node, ast.Attribute):
                 named.add(node.attr)
-    hooks = {"do_GET", "do_POST", "log_message"}  # http.server calls them by name (agents.py)
+    hooks = {"do_GET", "do_POST", "log_message"}  # http.server calls them by name (openai_api.py)
     unused = {name: path for name, path in defined.items()
               if name not in named and not name.startswith("__") and name not in hooks}
     assert not unused, unused

@@ -96,7 +96,8 @@ def carry(tmp_path, engine, score, *overrides, env: str = "", group_size: int = 
     runner = episodes.EpisodeRunner(episodes.EnvConfig(name=env, timeout_s=0, max_tokens=32),
                                     CharTokenizer(), False, "prompt", 16)
     examples = [example(k) for k in range(8)]
-    return partial.PartialRollout(cfg, ONE_ENGINE, examples, engine, runner, score), runner
+    source = partial.Streams(cfg, ONE_ENGINE, engine, runner)
+    return partial.PartialRollout(cfg, ONE_ENGINE, examples, source, score), runner
 
 
 def step(c, version):

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import agents  # noqa: E402
 import engines  # noqa: E402
 import episodes  # noqa: E402
+import openai_api  # noqa: E402
 import rollout  # noqa: E402
 from reference import token_logprobs  # noqa: E402
 
@@ -66,7 +67,7 @@ masked = [tok.decode(s.response_ids[i:j], **special) for i, j in spans(s.mask, 0
 assert masked == ["<|tool|>3<eos><|assistant|>"] * 2, masked
 # the whole sample is what the template renders for the agent's final conversation
 want = tok.apply_chat_template([{**m, "tool_calls": [
-    {**c, "function": {**c["function"], "arguments": agents._arguments(
+    {**c, "function": {**c["function"], "arguments": openai_api._arguments(
         c["function"]["arguments"])}} for c in m.get("tool_calls", [])]}
     for m in info["messages"]], tokenize=False)
 assert tok.decode(s.prompt_ids + s.response_ids, **special) == want, (
@@ -140,7 +141,7 @@ assert [s.versions[i] for i in first[:6]] == [0, 0, 0, 1, 1, 1], s.versions
 assert info["seen"][0]["token_ids"] == s.response_ids[:6]  # the agent got the whole completion
 assert tok.decode(s.response_ids[:6], **special) == "<tool_call>1+2</tool_call><eos>"
 assert tok.decode(s.prompt_ids + s.response_ids, **special) == tok.apply_chat_template(
-    [agents.for_template(m) for m in info["messages"]], tokenize=False)
+    [openai_api.for_template(m) for m in info["messages"]], tokenize=False)
 print(f"rank {rank}: a call cut after 3 steps went on under the next version: {s.versions}")
 engine.shutdown()
 print("AGENT_ENDPOINT_OK")

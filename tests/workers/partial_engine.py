@@ -95,7 +95,8 @@ def keep_all(generated):
 
 
 runner = episodes.EpisodeRunner(episodes.EnvConfig(), tok, False, "prompt", MAX, group)
-pr = partial.PartialRollout(run_cfg, group, Cycle(), engine, runner, keep_all)
+streams = partial.Streams(run_cfg, group, engine, runner)
+pr = partial.PartialRollout(run_cfg, group, Cycle(), streams, keep_all)
 resumed, checked, steps, worst = 0, 0, 0, 0.0
 while not resumed or steps < 2:
     assert steps < 8, "no sample cut mid-response was resumed and finished in 8 steps"
