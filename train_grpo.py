@@ -18,7 +18,7 @@ rewards (sampler.py); (2) score: group-normalised advantages and the samples the
 grpo.grpo_loss); (5) log, and eval on schedule. The algorithm, what its defaults amount to and
 its variants live in grpo.py; the engine in rollout.py; episodes and environments in
 episodes.py; the actor in fsdp_utils.py; checkpoints in checkpoint.py; everything
-device-specific in npu_ops.py; config parsing and the checks that need no model in config.py.
+device-specific in npu_ops.py; config parsing in config.py, which runs each section's own checks.
 """
 
 import argparse
