@@ -22,17 +22,15 @@ def run(turn, sampler, examples, k: int = 0):
     with k > 0, mean@k (the mean reward of k at the rollout temperature) over all examples,
     each engine group taking a slice, in an engine turn of its own (`turn`,
     weight_sync.EngineTurn: the update since the rollout pushed first). sampler: the run's
-    sampler.Sampler (its engine, episodes, scorer and engine group). Returns ({"eval_pass1": ..,
+    sampler.Sampler, which plays the episodes and scores them. Returns ({"eval_pass1": ..,
     "eval_mean_at_k": ..}, (examples, greedy completions, their rewards)) of this rank's slice."""
     group = sampler.group
     part = examples[group.index::group.count]
     with turn:
-        runs = [sampler.runner.run(sampler.engine, part, 1, greedy=True)]
-        if k:
-            runs.append(sampler.runner.run(sampler.engine, part, k))
+        runs = [sampler.play(part, 1, greedy=True)] + ([sampler.play(part, k)] if k else [])
     texts, rows = [t for r in runs for t in r.texts], [x for r in runs for x in r.examples]
     failed = [f for r in runs for f in r.failed]
-    scores = sampler.scorer.score(texts, rows, failed)["reward"]
+    scores = sampler.rewards(texts, rows, failed)
     first, n = int(group.first), len(part)  # each engine group's scores counted once
     out = tracking.reduce({"eval_pass1": Mean(sum(scores[:n]) * first, n * first),
                            "eval_mean_at_k": Mean(sum(scores[n:]) * first, n * k * first)})

@@ -98,6 +98,15 @@ class Sampler:
                                 self.limit, self.cfg.grpo)
         return rewards, keep
 
+    def play(self, examples: list, n: int, greedy: bool = False) -> records.Generated:
+        """n episodes of each of `examples` outside any step (evaluation.run's held-out
+        prompts): no data drawn, nothing carried, the engine's current weights."""
+        return self.runner.run(self.engine, examples, n, greedy=greedy)
+
+    def rewards(self, texts: list, examples: list, failed: list) -> list[float]:
+        """The rewards of finished episodes (`play`'s), a failed one's 0."""
+        return self.scorer.score(texts, examples, failed)["reward"]
+
     def close(self) -> None:
         """Stop the reward and environment workers (the engine is the run's to shut down)."""
         try:

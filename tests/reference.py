@@ -140,13 +140,12 @@ def fusion_attention_reference(query, key, value, head_num, input_layout, atten_
     return (attend(query, key, value, mask),)
 
 
-def batch_of(samples: list, adv, seed: int = 0, **fields) -> grpo.Batch:
-    """A grpo.Batch of `samples`: adv a (n,) tensor, each sample's advantage at every one of its
-    response tokens in fp32 (as batcher.share lays them out), or a list of per-token tensors
-    taken as they are; `fields`: grpo.Batch's others (teacher, split, step)."""
-    if isinstance(adv, torch.Tensor):
-        adv = [a.float().expand(len(s.response_ids)).clone() for s, a in zip(samples, adv)]
-    return grpo.Batch(samples, list(adv), seed, **fields)
+def batch_of(samples: list, adv: torch.Tensor, seed: int = 0, **fields) -> grpo.Batch:
+    """A grpo.Batch of `samples` whose advantages adv (n,) are each sample's at every one of its
+    response tokens, in fp32 (as batcher.share lays them out); `fields`: grpo.Batch's others
+    (teacher, split, step)."""
+    per_token = [a.float().expand(len(s.response_ids)).clone() for s, a in zip(samples, adv)]
+    return grpo.Batch(samples, per_token, seed, **fields)
 
 
 def settings(cfg, temperature: float = 1.0, max_len: int = 64, **fields) -> grpo.Settings:

@@ -49,7 +49,7 @@ def teach(teacher, samples: list, group_adv: torch.Tensor, cfg):
     token); its per-token advantages, its teacher's top k (or None) and its metrics."""
     adv = [torch.full((len(s.response_ids),), a, dtype=torch.float64)
            for s, a in zip(samples, group_adv.tolist())]
-    batch = distill.teach(reference.batch_of(samples, adv), teacher, cfg.distill,
+    batch = distill.teach(grpo.Batch(samples, adv, 0), teacher, cfg.distill,
                           reference.settings(cfg.grpo, cfg.rollout.temperature))
     return batch.adv, batch.teacher, batch.metrics
 
@@ -128,7 +128,7 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
 
     # the student's gradient through the trainer's pass, against autograd on the naive loss
     student.zero_grad()
-    grpo.accumulate_gradients(student, reference.batch_of(samples, adv), None, None,
+    grpo.accumulate_gradients(student, grpo.Batch(samples, adv, 0), None, None,
                               reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
@@ -183,8 +183,8 @@ def test_forward_top_k_equals_a_naive_loop(models, k, coef, reward_coef):
                                            dtype=torch.float64))
 
     student.zero_grad()
-    grpo.accumulate_gradients(student, reference.batch_of(samples, adv, teacher=top), None,
-                              None, reference.settings(cfg.grpo, TEMPERATURE))
+    grpo.accumulate_gradients(student, grpo.Batch(samples, adv, 0, teacher=top), None, None,
+                              reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
     loss = 0.0
@@ -221,7 +221,7 @@ def test_environment_tokens_and_the_teacher_move_nothing_else(models):
         changed = [a.clone() for a in adv]
         changed[4][2:5] += shift  # the environment's three tokens
         student.zero_grad()
-        grpo.accumulate_gradients(student, reference.batch_of(samples, changed), None, None,
+        grpo.accumulate_gradients(student, grpo.Batch(samples, changed, 0), None, None,
                                   reference.settings(cfg.grpo))
         grads.append([p.grad.clone() for p in student.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))

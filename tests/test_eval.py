@@ -1,17 +1,17 @@
 """Eval numbers against a hand count: pass@1 over greedy answers, mean@k over sampled ones."""
 
-import types
-
 import torch.distributed as dist
 
 import episodes
 import evaluation
 import rewards
 import rollout
+import sampler
 import tiny_task
 import weight_sync
 from records import Sample
 from rollout import RolloutConfig
+from train_grpo import Config
 
 
 class ScriptedEngine:
@@ -58,9 +58,8 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
                                           "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
             turn = weight_sync.EngineTurn(actor, None, engine, offload_on=False)
-            sampler = types.SimpleNamespace(engine=engine, runner=one_turn, scorer=scorer,
-                                            group=rollout.EngineGroup(1))
-            scores, (part, texts, per_example) = evaluation.run(turn, sampler, examples, k=3)
+            plays = sampler.Sampler(Config(), engine, one_turn, scorer, [], rollout.EngineGroup(1))
+            scores, (part, texts, per_example) = evaluation.run(turn, plays, examples, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after
