@@ -659,7 +659,7 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
     g, samples, device = cfg.grpo, batch.samples, cfg.device
     counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples))])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
-    counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks hold the same samples
+    counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks: the same samples
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
     if counts[0] == 0:  # nothing to learn from on any rank (all ranks see the same counts)
         return [torch.zeros(0)] * len(samples), stats
