@@ -665,7 +665,7 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
         return [torch.zeros(0)] * len(samples), stats
     actor.train()
     plan, found = logprobs.micro_batch_plan(samples, g.micro_batch_tokens, g.pack,
-                                            actor.config), []
+                                            actor.config, batch.split), []
     for k, idx in enumerate(plan):
         part = batch.of(idx) if idx else Batch([logprobs.DUMMY], [torch.zeros(1)], batch.seed)
         old, ref = ([lp[i] for i in idx] or [[0.0]] if lp is not None else None

@@ -83,23 +83,26 @@ def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False,
     return batches + [cur] if cur else batches
 
 
-def packed_sample_cap(config) -> int:
-    """The most samples one packed row may hold under the model's attention: what its attention
-    function declares (npu_ops.fusion_attention.max_samples: the fused kernel's limit), else 0,
-    no limit."""
+def packed_sample_cap(config, split=None) -> int:
+    """The most samples the plan may put in one packed row, the one place that says it: what the
+    model's attention function takes (its max_samples: npu_ops.fusion_attention's kernel limit,
+    which seq_parallel.attention passes on), less the padding sample split_row may add to a row
+    under sequence parallelism (split: a seq_parallel.Split); 0: no limit."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     fn = ALL_ATTENTION_FUNCTIONS.get(getattr(config, "_attn_implementation", None) or "")
-    return getattr(fn, "max_samples", 0)
+    cap = getattr(fn, "max_samples", 0)
+    return cap - 1 if cap and split is not None else cap
 
 
-def micro_batch_plan(samples: list, budget: int, packed: bool, config=None) -> list[list[int]]:
+def micro_batch_plan(samples: list, budget: int, packed: bool, config=None,
+                     split=None) -> list[list[int]]:
     """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
     as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward.
-    Packed rows hold at most as many samples as the model's attention takes
-    (packed_sample_cap)."""
+    Packed rows hold at most as many samples as the model's attention takes, padding included
+    (packed_sample_cap; split: the seq_parallel.Split the rows are split over, or None)."""
     plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
-                              packed, packed_sample_cap(config) if packed else 0)
+                              packed, packed_sample_cap(config, split) if packed else 0)
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))
@@ -464,7 +467,7 @@ def sample_top_k(model, samples: list, cfg, k: int, replay: bool = False, split=
     model.eval()
     g = cfg.grpo
     found = {name: [] for name in ("logp", "top_logp", "top_ids")}
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack, model.config):
+    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack, model.config, split):
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, cfg.pad_id, g.pack, model.config, split), cfg.device)
         with moe.routing(model, mb.routing if replay else None):

@@ -99,6 +99,9 @@ def attention(inner, group):
         out, _ = inner(module, q, k, v, attention_mask, **{**kwargs, **(row or {})})
         return sequence_to_heads(out, group), None
 
+    # the whole row reaches `inner`: its limit on a row's samples is this function's too
+    # (logprobs.packed_sample_cap reads it)
+    forward.max_samples = getattr(inner, "max_samples", 0)
     return forward
 
 

@@ -187,6 +187,34 @@ def test_a_packed_row_holds_no_more_samples_than_the_fused_attention_takes():
     assert len(logprobs.plan_micro_batches(lengths, 16384, packed=True)) == 1
 
 
+def test_ulysses_rows_respect_the_fused_kernels_cap_padding_included():
+    """Under sequence parallelism the attention is seq_parallel.attention around the fused one:
+    its rows reach the same kernel (op-plugin's TND limit, npu_ops.FUSION_MAX_SAMPLES), and
+    split_row may add a padding sample to a row whose length is not a multiple of sp. The plan
+    leaves room for it: 1023 samples a row, 1024 with the padding, never more; around packed
+    sdpa there is no limit."""
+    import types
+
+    import npu_ops
+    import seq_parallel
+
+    split = seq_parallel.Split(group=None, rank=0, size=2)
+    fused = types.SimpleNamespace(
+        _attn_implementation=fsdp_utils.register_attention(npu_ops.FUSION_ATTENTION, split))
+    assert fused._attn_implementation == f"ulysses_{npu_ops.FUSION_ATTENTION}"
+    assert logprobs.packed_sample_cap(fused, split) == npu_ops.FUSION_MAX_SAMPLES - 1 == 1023
+    plain = types.SimpleNamespace(_attn_implementation=fsdp_utils.register_attention("sdpa",
+                                                                                      split))
+    assert logprobs.packed_sample_cap(plain, split) == 0
+    # 2100 samples of 3 tokens: a row of 1023 is 3069 tokens, odd, and gets a padding sample
+    samples = [Sample([3], [4, 5], [-1.0, -1.0], False) for _ in range(2100)]
+    plan = logprobs.plan_micro_batches([3] * len(samples), 10**6, packed=True,
+                                       max_samples=logprobs.packed_sample_cap(fused, split))
+    assert [len(b) for b in plan] == [1023, 1023, 54]
+    mb = logprobs.micro_batch([samples[i] for i in plan[0]], 0, True, None, split)
+    assert len(mb.inputs["row"]["packed_ends"]) == npu_ops.FUSION_MAX_SAMPLES  # + the padding
+
+
 def counted_flops(model, samples, adv) -> int:
     """The matrix FLOPs of one accumulate_gradients pass, as torch's FLOP counter sees the ops
     run (it has no rule for the in-place addmm_ of the output layer's weight gradient: 2mnk)."""

@@ -54,7 +54,8 @@ for sp in (1, 2):
                                   attn_implementation="sdpa", sp_size=sp)
     actor = fsdp_utils.build_actor(spec, mesh)
     split = seq_parallel.split(sp)  # the group build_actor made (None at sp 1)
-    plan = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, actor.config)
+    plan = logprobs.micro_batch_plan(samples, cfg.micro_batch_tokens, cfg.pack, actor.config,
+                                     split)
     rows = [sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx)
             for idx in plan]
     assert len(plan) == 3 and any(r % 2 for r in rows), rows  # a row padded to a multiple of 2
