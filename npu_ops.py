@@ -156,6 +156,15 @@ def engine_supports_sleep() -> bool:
     return device_type() in ("cuda", "npu")
 
 
+def wake_transposes_experts() -> bool:
+    """Whether the engine's wake with "weights" swaps each unquantized mixture-of-experts layer's
+    w13_weight / w2_weight for a transposed view in checkpoint layout, over the storage its
+    loading left in the kernel's layout: vLLM-Ascend, every tag v0.23.0 to v0.25.1rc1
+    (worker/worker.py:251-270, NPUWorker.wake_up; main drops it in #13012). vLLM's own
+    workers (CUDA) do not; the CPU engine does not sleep."""
+    return device_type() == "npu"
+
+
 def synchronize() -> None:
     if device_type() != "cpu":
         device_module().synchronize()

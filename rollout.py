@@ -379,7 +379,7 @@ class Engine:
             npu_ops.release_cached_memory()  # the trainer's cached blocks, before the engine maps
             _check_room(asleep)  # room for what it maps: a failed map ends the process silently
             before = npu_ops.device_memory_used_gb()
-            self.llm.wake_up(tags=asleep)
+            _wake_up(self.llm, asleep)
             self._log_memory("wake_" + "_".join(asleep), before)
         self.weights_awake = self.weights_awake or "weights" in tags
         self.kv_cache_awake = self.kv_cache_awake or "kv_cache" in tags
@@ -543,6 +543,42 @@ def _sleep_allocator():
     from vllm.device_allocator.cumem import CuMemAllocator
 
     return npu_ops.sleep_allocator() or CuMemAllocator.get_instance()
+
+
+def _wake_up(llm, tags: list[str]) -> None:
+    """vLLM's wake_up, then, where that wake leaves a mixture of experts' expert tensors as
+    transposed views (npu_ops.wake_transposes_experts), the tensors their loading left."""
+    llm.wake_up(tags=tags)
+    if "weights" in tags and npu_ops.wake_transposes_experts():
+        restored = sum(llm.collective_rpc(_experts_as_loaded))
+        log.debug("engine wake: %d expert tensors back in the layout their loading left",
+                  restored)
+
+
+def _experts_as_loaded(worker) -> int:
+    """Undo, on this process's worker, the swap vLLM-Ascend 0.23's wake makes (worker/
+    worker.py:251-270): each unquantized layer's w13_weight / w2_weight, which its loading made
+    contiguous in the kernel's layout (E, H, 2I) / (E, I, H) (ops/fused_moe/fused_moe.py:112-119),
+    comes back from the wake as a new Parameter holding a transposed view of that storage. The
+    layerwise reload keeps the tensors it finds as the ones to copy into (vLLM 0.23 model_loader/
+    reload/layerwise.py:111) and ends with `param.data.copy_(processed)` (:383): into the view a
+    (E, H, 2I) tensor meets (E, 2I, H), a RuntimeError; and a wake with no push after it would
+    generate from the views. A Parameter over the same storage, transposed back, is what the
+    loading left: the reload writes the kernel's layout into the kernel's storage. Returns how
+    many tensors it put back (0 for a quantized model, which the wake leaves alone)."""
+    import torch
+
+    if worker.vllm_config.quant_config is not None:
+        return 0
+    model, restored = worker.model_runner.get_model(), 0
+    for name, param in list(model.named_parameters()):
+        module, _, last = name.rpartition(".")
+        if (last in ("w13_weight", "w2_weight") and param.dim() == 3
+                and not param.is_contiguous() and param.transpose(1, 2).is_contiguous()):
+            setattr(model.get_submodule(module), last,
+                    torch.nn.Parameter(param.data.transpose(1, 2), requires_grad=False))
+            restored += 1
+    return restored
 
 
 def _check_room(tags: list[str]) -> None:
