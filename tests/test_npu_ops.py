@@ -617,13 +617,15 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     ("HCCL_CONNECT_TIMEOUT", "7201", False), ("HCCL_CONNECT_TIMEOUT", "600s", False),
     ("HCCL_BUFFSIZE", "1", True), ("HCCL_BUFFSIZE", "0", False), ("HCCL_BUFFSIZE", "2e2", False),
     ("HCCL_IF_BASE_PORT", "50000", True), ("HCCL_IF_BASE_PORT", "1023", False),
-    ("HCCL_IF_BASE_PORT", "65521", False), ("HCCL_EXEC_TIMEOUT", "0.05", True),
-    ("HCCL_EXEC_TIMEOUT", "-1", False), ("HCCL_EXEC_TIMEOUT", "long", False)])
+    ("HCCL_IF_BASE_PORT", "65521", False), ("HCCL_EXEC_TIMEOUT", "600", True),
+    ("HCCL_EXEC_TIMEOUT", "0.05", False), ("HCCL_EXEC_TIMEOUT", "-1", False),
+    ("HCCL_EXEC_TIMEOUT", "long", False)])
 def test_hccl_settings_out_of_cann_s_ranges_stop_the_run_before_any_process_group(
         name, value, ok):
     """CANN 9.1.0's variable reference: HCCL_CONNECT_TIMEOUT whole seconds in [120, 7200],
-    HCCL_BUFFSIZE whole MB >= 1, HCCL_IF_BASE_PORT in [1024, 65520], HCCL_EXEC_TIMEOUT seconds
-    >= 0 (tens of ms allowed). Out of range: one error naming the variable, its value and range."""
+    HCCL_BUFFSIZE whole MB >= 1, HCCL_IF_BASE_PORT in [1024, 65520], HCCL_EXEC_TIMEOUT whole
+    seconds >= 0 (torch-npu reads no fraction). Out of range: one error naming the variable, its
+    value and range."""
     env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb", name: value}
     versions = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
     if ok:
@@ -631,6 +633,38 @@ def test_hccl_settings_out_of_cann_s_ranges_stop_the_run_before_any_process_grou
         return
     with pytest.raises(ValueError, match=f"{name}={value!r}"):
         ascend_checks.check_ascend(env, versions)
+
+
+def torch_npu_exec_timeout(value: str) -> int:
+    """torch-npu v26.1.0-pytorch2.10.0's OptionsManager::GetHCCLExecTimeout
+    (torch_npu/csrc/core/npu/register/OptionsManager.cpp:180-194): strtol(value, nullptr, 10),
+    the leading integer (0 where there is none), and -1 (the default) below 0. Its watchdog and
+    ProcessGroupHCCL read 0 as "never time out" (ProcessGroupHCCL.cpp)."""
+    import re
+
+    found = re.match(r"\s*([+-]?\d+)", value)
+    n = int(found.group(1)) if found else 0
+    return -1 if n < 0 else n
+
+
+@pytest.mark.parametrize("value", ["0", "600", " 1091", "0.5", "0.05", "2.9", "1e3", "600s",
+                                   "-1", "-0.5", "long", ""])
+def test_hccl_exec_timeout_is_accepted_only_where_torch_npu_reads_what_was_written(value):
+    """A fractional HCCL_EXEC_TIMEOUT ("0.5": meant as half a second) reads as 0 in torch-npu,
+    which means never: refused with one line before any process group forms; every value the
+    check lets through is read back as the number written."""
+    try:
+        meant = float(value)
+    except ValueError:
+        meant = None
+    faithful = meant is not None and meant >= 0 and torch_npu_exec_timeout(value) == meant
+    env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb", "HCCL_EXEC_TIMEOUT": value}
+    if faithful:
+        ascend_checks.check_ascend(env, DOCUMENTED)
+        return
+    with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={value!r} \\(whole seconds") as e:
+        ascend_checks.check_ascend(env, DOCUMENTED)
+    assert "\n" not in str(e.value).split("\n  ", 1)[1]  # one line under the heading
 
 
 def test_hccl_summary_and_the_aiv_cap():
