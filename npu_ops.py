@@ -383,6 +383,28 @@ def experts_implementation(dtype: torch.dtype) -> tuple[str, str]:
     return "grouped_mm", f"torch._grouped_mm on {kind}"
 
 
+# vLLM-Ascend 0.23's attention (attention/attention_v1.py:1234-1320) runs
+# npu_fused_infer_attention_score / _npu_paged_attention, whose query is fp16/bf16 only (op-plugin
+# 26.1.0 docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md:116)
+NPU_ENGINE_DTYPES = ("bfloat16", "float16")
+
+
+def engine_dtypes() -> tuple[str, ...] | None:
+    """The engine dtypes this platform's attention kernels take, the first the one to pick;
+    None: any (CPU, where fp32 keeps the engine and the trainer exact, and CUDA)."""
+    return NPU_ENGINE_DTYPES if device_type() == "npu" else None
+
+
+def check_engine_dtype(dtype: str) -> None:
+    """rollout.dtype against the engine's kernels here: a one-line ValueError where they take
+    no such query (an fp32 engine on an NPU would fail in its first profile run)."""
+    if (takes := engine_dtypes()) is not None and dtype not in takes:
+        raise ValueError(f"rollout.dtype={dtype} on an Ascend NPU: vLLM-Ascend 0.23's attention "
+                         "kernels (npu_fused_infer_attention_score, _npu_paged_attention) take "
+                         f"{' or '.join(takes)} queries only. Fix: --rollout.dtype={takes[0]} "
+                         f"--model.param_dtype={takes[0]}")
+
+
 def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
     """A mixture of experts' engine options on this platform: a one-line ValueError where its
     engine cannot do them."""

@@ -144,6 +144,7 @@ class RolloutConfig:
              f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which "
              f"would round the {self.dtype} engine's weights. Fix: rollout.sync_by=tensor, or "
              "the same dtypes")
+        npu_ops.check_engine_dtype(self.dtype)  # the dtypes the platform's attention takes
         npu_ops.check_platform(not self.enforce_eager, self.temperature, self.top_p,  # graph
                                cfg.model.lora.rank > 0, self.matmul_allreduce, tp)  # mode, LoRA
 

@@ -735,3 +735,71 @@ def test_npu_check_fails_on_a_cann_error_line(tmp_path, line, fails):
                                          "PYTHON": sys.executable})
     assert out.returncode == (1 if fails else 0), out.stdout + out.stderr
     assert f"runtime error lines: {{'tiny': {int(fails)}}}" in out.stdout, out.stdout
+
+
+def vllm_ascend_attention(query: torch.Tensor) -> None:
+    """vLLM-Ascend 0.23's attention (attention/attention_v1.py:1234-1320) hands the query to
+    npu_fused_infer_attention_score or _npu_paged_attention, with no other path; op-plugin
+    26.1.0's doc of the first (torch_npu-npu_fused_infer_attention_score.md:116): the query is
+    float16 or bfloat16."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"npu_fused_infer_attention_score: query dtype {query.dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_an_engine_dtype_the_npu_s_attention_cannot_take_is_refused_at_config_time(
+        monkeypatch, dtype):
+    """rollout.dtype on an NPU (device stubbed): refused with one line naming the fix exactly
+    where vLLM-Ascend's attention would fail in the engine's first profile run; accepted on CPU
+    whatever it is (fp32 keeps the CPU engine exact)."""
+    import train_grpo
+
+    cfg = train_grpo.resolve(train_grpo.load_config("configs/tiny_cpu.yaml",
+                                                    [f"--rollout.dtype={dtype}"]))
+    cfg.rollout.check(cfg, 1)  # CPU
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    try:
+        vllm_ascend_attention(torch.zeros(1, dtype=getattr(torch, dtype)))
+    except RuntimeError:
+        with pytest.raises(ValueError, match=rf"rollout.dtype={dtype} on an Ascend NPU: .* Fix: "
+                           "--rollout.dtype=bfloat16 --model.param_dtype=bfloat16$"):
+            cfg.rollout.check(cfg, 1)
+        return
+    cfg.rollout.check(cfg, 1)
+
+
+STAND_IN_TRAINER = r'''#!/usr/bin/env bash
+# python for gpu_check.sh: train_grpo.py's arguments to $LOG (no run); the summary, as python
+if [ "$1" = train_grpo.py ]; then shift; printf '%s\n' "$@" >"$LOG"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+'''
+
+
+@pytest.mark.parametrize("script", ["npu_check.sh", "gpu_check.sh"])
+def test_the_device_check_runs_the_tiny_task_in_a_dtype_the_engine_takes(tmp_path, monkeypatch,
+                                                                         script):
+    """The tiny part of scripts/npu_check.sh (gpu_check.sh's, with the NPU's settings) runs
+    configs/tiny_cpu.yaml, whose engine is fp32, with overrides to a dtype vLLM-Ascend's
+    attention takes (the config check on an NPU, stubbed, accepts the config it runs);
+    gpu_check.sh keeps the config's fp32. tests/test_device.py's tiny runs take the same
+    overrides (DTYPE_ARGS)."""
+    import subprocess
+
+    import train_grpo
+
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_TRAINER)
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_DTYPE"}
+    subprocess.run(["bash", f"scripts/{script}"], cwd=ROOT, capture_output=True, text=True,
+                   env={**env, "OUT": str(tmp_path / "out"), "PARTS": "tiny", "PYTHON": str(python),
+                        "REAL_PYTHON": sys.executable, "LOG": str(tmp_path / "args")})
+    args = (tmp_path / "args").read_text().split()
+    cfg = train_grpo.resolve(train_grpo.load_config(args[1], args[2:]))
+    assert args[:2] == ["--config", "configs/tiny_cpu.yaml"]
+    if script == "gpu_check.sh":
+        assert cfg.rollout.dtype == cfg.model.param_dtype == "float32"
+        return
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    cfg.rollout.check(cfg, 1)
+    assert cfg.rollout.dtype == cfg.model.param_dtype == npu_ops.engine_dtypes()[0]
