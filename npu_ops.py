@@ -44,14 +44,45 @@ def npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+# CANN 8.5.0's environment-variable reference, HCCL_OP_EXPANSION_MODE (envref_07_0096), on A2:
+# AIV for inference on symmetric networks, never several communicators in parallel, Broadcast
+# within one node of at most this many cards
+AIV_MAX_CARDS = 8
+
+
+def aiv_blocker(matmul_allreduce: bool = False, sp_size: int = 1) -> str | None:
+    """Why this run leaves HCCL_OP_EXPANSION_MODE to HCCL instead of setting AIV, or None where
+    AIV is inside what CANN documents (docs/platforms.md, "Ascend NPUs"). The ranks' layout
+    from torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (none: one process)."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
+    if matmul_allreduce:
+        return ("rollout.matmul_allreduce: MC2-family kernels have hung under AIV expansion "
+                "(vllm-ascend issues #14928, #3881)")
+    if sp_size > 1:
+        return (f"model.sp_size={sp_size}: the sequence-parallel all-to-all runs beside FSDP2's "
+                "all-gather on another communicator, and CANN documents AIV for one "
+                "communicator at a time")
+    if world > 1 and local is None:
+        return ("WORLD_SIZE without LOCAL_WORLD_SIZE (torchrun sets both): one node is not "
+                "known, and CANN documents AIV's Broadcast within one node")
+    if world > int(local or 1):
+        return (f"{world} ranks on several nodes: CANN documents AIV's Broadcast within one "
+                "node (the actor's broadcast from rank 0 reaches every node)")
+    if world > AIV_MAX_CARDS:
+        return (f"{world} ranks on one node: CANN documents AIV's Broadcast for at most "
+                f"{AIV_MAX_CARDS} cards")
+    return None
+
+
 def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
-                        matmul_allreduce: bool = False) -> dict:
+                        matmul_allreduce: bool = False, sp_size: int = 1) -> dict:
     """The environment an RL run on Ascend wants (not run here; sources named):
     - TASK_QUEUE_ENABLE: 2 dispatches more work on a second thread (faster in eager mode), but
       torch_npu refuses graph capture with it, so graph mode needs 1;
     - HCCL_OP_EXPANSION_MODE=AIV: collectives scheduled by the AI vector cores, not the AI CPU;
-      left to HCCL with `matmul_allreduce` (rollout.matmul_allreduce): MC2-family kernels have
-      hung under AIV expansion (vllm-ascend issues #14928, #3881);
+      only where CANN documents it (`aiv_blocker`: one node of at most 8 cards, one
+      communicator at a time, and no fused matmul + all-reduce, rollout.matmul_allreduce),
+      else left to HCCL;
     - VLLM_ASCEND_ENABLE_NZ=0: vLLM-Ascend 0.23's NPUWorker.wake_up (worker/worker.py) raises
       "FRACTAL_NZ mode is enabled" unless the weight NZ mode is 0, and its default is 1 (envs.py);
     - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
@@ -66,7 +97,7 @@ def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
     rollout.matmul_allreduce to the engine (off by default)."""
     env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "VLLM_ASCEND_ENABLE_NZ": "0",
            "CPU_AFFINITY_CONF": "1", "HCCL_CONNECT_TIMEOUT": "1200"}
-    if not matmul_allreduce:
+    if aiv_blocker(matmul_allreduce, sp_size) is None:
         env["HCCL_OP_EXPANSION_MODE"] = "AIV"
     if sleep_mode:
         env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:False"
@@ -74,8 +105,8 @@ def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
 
 
 def _set_env_before_torch() -> dict:
-    """At import: the defaults for eager mode with sleep mode (what the configs ship), where the
-    user set none. Returns what it set."""
+    """At import: the defaults for eager mode with sleep mode (what the configs ship) and no
+    sequence parallelism, where the user set none. Returns what it set."""
     if not npu_installed() or "torch_npu" in sys.modules:
         return {}
     early = {k: v for k, v in ascend_env_defaults().items() if k not in os.environ}
@@ -280,15 +311,16 @@ def _interactive() -> bool:
 
 
 def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
-              matmul_allreduce: bool = False) -> dict:
+              matmul_allreduce: bool = False, sp_size: int = 1) -> dict:
     """Set the environment defaults that depend on the config, before the device, the process
     group or the engine initialise (torch_npu reads these then, not at import: section 0). A
     value the user set is kept; a default this module set at import that the config rules out
     is taken back. Returns {name: (value, source)} for the start-up log; source is "user",
     "default", or "torch_npu" for the task queue level it forces to 0 in an interactive
-    session (kept: torch_npu warns against raising it there)."""
+    session (kept: torch_npu warns against raising it there); the AIV expansion's, where
+    `aiv_blocker` rules it out, says why."""
     if npu_installed():
-        wanted = ascend_env_defaults(graph_mode, sleep_mode, matmul_allreduce)
+        wanted = ascend_env_defaults(graph_mode, sleep_mode, matmul_allreduce, sp_size)
         if _TORCH_FIRST:
             log.warning("torch was imported before npu_ops, so torch_npu loaded before the Ascend "
                         "environment was set: import train_grpo (or npu_ops) before torch, or "
@@ -311,6 +343,11 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
             report[name] = (value, "default")
         else:
             report[name] = (current, "user")
+    if npu_installed() and (why := aiv_blocker(matmul_allreduce, sp_size)) is not None:
+        mode = os.environ.get("HCCL_OP_EXPANSION_MODE")
+        report["HCCL_OP_EXPANSION_MODE"] = (
+            (mode, f"user, kept; not AIV by default: {why}") if mode
+            else ("unset", f"HCCL decides; not AIV: {why}"))
     if "OMP_NUM_THREADS" in wanted:
         # vLLM's CPU worker later turns torch.set_num_threads into a no-op: set it now.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -427,12 +464,13 @@ def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
 
 
 def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                   lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1) -> None:
+                   lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1,
+                   sp_size: int = 1) -> None:
     """Run the checks of the platform this process is on; warnings go to the log. On Ascend the
     checks see the environment the run will have: without the defaults this module set at
     import that setup_env takes back for this config."""
     if npu_installed():
-        gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce))
+        gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce, sp_size))
         env = {k: v for k, v in os.environ.items() if k not in gone}
         versions = ascend_checks.stack_versions(env)
         log.info("Ascend stack: %s", ", ".join(f"{k} {v}" for k, v in versions.items()))

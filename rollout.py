@@ -146,7 +146,8 @@ class RolloutConfig:
              "the same dtypes")
         npu_ops.check_engine_dtype(self.dtype)  # the dtypes the platform's attention takes
         npu_ops.check_platform(not self.enforce_eager, self.temperature, self.top_p,  # graph
-                               cfg.model.lora.rank > 0, self.matmul_allreduce, tp)  # mode, LoRA
+                               cfg.model.lora.rank > 0, self.matmul_allreduce, tp,  # mode, LoRA
+                               cfg.model.sp_size)  # (sequence parallel: no AIV expansion)
 
     def check_model(self, cfg, text: dict) -> None:
         """max_model_len within the model's positions, and a KV cache (kv_cache_memory_bytes)

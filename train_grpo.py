@@ -195,7 +195,8 @@ def setup(cfg: Config) -> Run:
     cfg = resolve(cfg)
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
-                            matmul_allreduce=cfg.rollout.matmul_allreduce)
+                            matmul_allreduce=cfg.rollout.matmul_allreduce,
+                            sp_size=cfg.model.sp_size)
     run = Run(cfg, *init_distributed(cfg.train.dist_timeout_s))
     _OPEN = weakref.ref(run)
     try:

@@ -202,7 +202,9 @@ def test_matmul_allreduce_takes_back_the_aiv_default_but_not_the_user_s(monkeypa
         monkeypatch.setenv(name, value)
     npu_ops.check_platform(matmul_allreduce=True, tp_size=2)  # the checks see it gone already
     report = npu_ops.setup_env(matmul_allreduce=True)
-    assert "HCCL_OP_EXPANSION_MODE" not in os.environ and "HCCL_OP_EXPANSION_MODE" not in report
+    assert "HCCL_OP_EXPANSION_MODE" not in os.environ
+    value, source = report["HCCL_OP_EXPANSION_MODE"]  # logged, with why
+    assert value == "unset" and "not AIV: rollout.matmul_allreduce" in source
     monkeypatch.setattr(npu_ops, "_OURS", {})
     monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")  # the user's
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV: the fused"):
@@ -803,3 +805,59 @@ def test_the_device_check_runs_the_tiny_task_in_a_dtype_the_engine_takes(tmp_pat
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
     cfg.rollout.check(cfg, 1)
     assert cfg.rollout.dtype == cfg.model.param_dtype == npu_ops.engine_dtypes()[0]
+
+
+def cann_documents_aiv(nodes: int, cards_per_node: int, parallel_communicators: bool) -> bool:
+    """CANN 8.5.0's reference of HCCL_OP_EXPANSION_MODE (environment variables, envref_07_0096),
+    Atlas A2's AIV row: inference on symmetric networks; "does not support several
+    communicators in parallel" (unpredictable behaviour); Broadcast in "single-node scenarios
+    within 8 cards" only, and the trainer broadcasts rank 0's checkpoint over its whole world
+    (fsdp_utils.build_actor)."""
+    return nodes == 1 and cards_per_node <= 8 and not parallel_communicators
+
+
+@pytest.mark.parametrize("sp_size", [1, 2])
+@pytest.mark.parametrize("world, local", [(None, None), (8, 8), (2, 2), (16, 8), (16, 16),
+                                          (4, None)])
+def test_aiv_expansion_only_where_cann_documents_it(monkeypatch, sp_size, world, local):
+    """The AIV default (set at import, before the config) stays only for one node of at most 8
+    cards and no sequence parallelism, whose all-to-all runs on its own communicator beside
+    FSDP2's all-gather; elsewhere it is taken back and the start-up log says why. A launch that
+    does not say which ranks share a node (no LOCAL_WORLD_SIZE) gets no AIV. A user's AIV is
+    kept, and the log says where CANN does not document it."""
+    monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
+    monkeypatch.setattr(npu_ops, "_OURS", {"HCCL_OP_EXPANSION_MODE": "AIV"})
+    for name in npu_ops.ASCEND_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")  # as npu_ops set it at import
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    known = world is None or local is not None
+    documented = known and cann_documents_aiv(
+        -(-(world or 1) // (local or 1)), local or 1, parallel_communicators=sp_size > 1)
+    report = npu_ops.setup_env(sp_size=sp_size)
+    assert (os.environ.get("HCCL_OP_EXPANSION_MODE") == "AIV") == documented
+    value, source = report["HCCL_OP_EXPANSION_MODE"]
+    assert (value, source) == ("AIV", "default") if documented else (
+        value == "unset" and source.startswith("HCCL decides; not AIV: "))
+    assert ("HCCL_OP_EXPANSION_MODE" in npu_ops.ascend_env_defaults(sp_size=sp_size)) == documented
+    if not documented:  # the user's own AIV wins, said to be outside CANN's documented scope
+        monkeypatch.setattr(npu_ops, "_OURS", {})
+        monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")
+        value, source = npu_ops.setup_env(sp_size=sp_size)["HCCL_OP_EXPANSION_MODE"]
+        assert value == "AIV" and source.startswith("user, kept; not AIV by default: ")
+        assert os.environ["HCCL_OP_EXPANSION_MODE"] == "AIV"
+
+
+def test_no_aiv_is_set_at_import_on_several_nodes(tmp_path):
+    """Under torchrun on two nodes the import-time defaults (before torch_npu loads) leave the
+    expansion mode alone: the stand-in torch_npu finds none set."""
+    seen, _ = run_with_standin(tmp_path, "import train_grpo",
+                               {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+    assert seen["HCCL_OP_EXPANSION_MODE"] is None and seen["TASK_QUEUE_ENABLE"] == "2"
+    seen, _ = run_with_standin(tmp_path, "import train_grpo",
+                               {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
+    assert seen["HCCL_OP_EXPANSION_MODE"] == "AIV"
