@@ -547,13 +547,29 @@ def test_the_peak_behind_mfu_is_the_cards_by_its_name(monkeypatch):
 
 STAND_IN_PYTHON = r'''#!/usr/bin/env bash
 # python for setup_npu.sh: answers its -c checks, logs each pip install, and fails one the way
-# pip would on the node the test describes (the PyPI facts in setup_npu.sh's comments)
+# pip would on the node the test describes (the PyPI facts in setup_npu.sh's comments). $PKGS
+# holds the distributions that ship the `triton` package: vllm-ascend brings triton-ascend, and
+# on x86 its xgrammar upstream triton too (xgrammar's pyproject.toml); $STUBBORN: triton-ascend's
+# install brings upstream triton back
 if [ "$1" = -c ]; then
-  case "$2" in *importlib.metadata*) exit 1 ;; esac  # nothing installed yet
+  case "$2" in
+    *triton/__init__.py*) sort -u "$PKGS" 2>/dev/null | paste -sd' '; exit 0 ;;
+    *importlib.metadata*) [ -n "${INSTALLED:-}" ] && echo "$INSTALLED" && exit 0; exit 1 ;;
+  esac
   exit 0
+fi
+if [ "$3" = uninstall ]; then  # -m pip uninstall -y NAME ...
+  shift 4; echo "$*" >>"$LOG.uninstall"
+  for name in "$@"; do sed -i "/^$name\$/d" "$PKGS" 2>/dev/null; done; exit 0
 fi
 shift 3  # -m pip install
 echo "VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-} $*" >>"$LOG"
+case " $* " in *" vllm-ascend==0.23.0 "*)
+  echo triton-ascend >>"$PKGS"; [ "$(uname -m)" = x86_64 ] && echo triton >>"$PKGS" ;;
+esac
+case " $* " in *" triton-ascend==3.2.2 "*)
+  echo triton-ascend >>"$PKGS"; [ -n "${STUBBORN:-}" ] && echo triton >>"$PKGS" ;;
+esac
 if [ "$(uname -m)" = x86_64 ] && [[ " $* " != *" --extra-index-url https://download.pytorch.org/whl/cpu/ "* ]]; then
   echo "pip: torchvision==0.25.0 from PyPI is the CUDA build" >&2; exit 1
 fi
@@ -590,10 +606,10 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     if clone:
         (src / "vllm").mkdir(parents=True)
         (src / "vllm" / ".tag").write_text(clone + "\n")
-    log = tmp_path / "pip.log"
+    log, pkgs = tmp_path / "pip.log", tmp_path / "triton_owners"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python"), "SRC": str(src),
            "ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest", "LOG": str(log),
-           "HOME": str(tmp_path)}
+           "HOME": str(tmp_path), "PKGS": str(pkgs)}
     out = subprocess.run(["bash", "scripts/setup_npu.sh"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     lines = log.read_text().splitlines() if log.exists() else []
@@ -610,8 +626,40 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     requirements = lines[build - 1].split()
     assert "setuptools-rust>=1.9.0" in requirements
     assert not any(x.startswith("torch") for x in requirements)  # the installed 2.10 builds it
-    assert [x.split()[-1] for x in lines[build + 1:]] == ["vllm-ascend==0.23.0",
-                                                           "requirements-npu.txt"]
+    # one `triton` package, triton-ascend's, installed last where xgrammar had brought another
+    x86 = machine == "x86_64"
+    assert [x.split()[-1] for x in lines[build + 1:]] == [
+        "vllm-ascend==0.23.0", "requirements-npu.txt", *["triton-ascend==3.2.2"] * x86]
+    uninstalled = tmp_path / "pip.log.uninstall"
+    assert (uninstalled.read_text() if uninstalled.exists() else "") == (
+        "triton triton-ascend\n" if x86 else "")
+    assert pkgs.read_text().split() == ["triton-ascend"]
+
+
+def test_setup_npu_stops_when_triton_ascend_is_not_the_one_triton(tmp_path):
+    """In vLLM-Ascend's image (vllm-ascend installed), a second `triton` beside triton-ascend is
+    removed and triton-ascend reinstalled; if upstream triton still ships the package after
+    that, the script stops with the fix instead of leaving the two."""
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", STAND_IN_PYTHON), ("uname", "#!/usr/bin/env bash\necho x86_64\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    pkgs = tmp_path / "triton_owners"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python"),
+           "ASCEND_TOOLKIT_HOME": "/opt/cann", "LOG": str(tmp_path / "pip.log"),
+           "HOME": str(tmp_path), "PKGS": str(pkgs), "INSTALLED": "0.23.0"}
+    for stubborn, rc in (("", 0), ("1", 1)):
+        pkgs.write_text("triton\ntriton-ascend\n")
+        out = subprocess.run(["bash", "scripts/setup_npu.sh"], cwd=ROOT, capture_output=True,
+                             text=True, env={**env, "STUBBORN": stubborn})
+        assert out.returncode == rc, out.stderr
+        if rc:
+            assert "comes from 'triton triton-ascend', not triton-ascend alone" in out.stderr
+        else:
+            assert pkgs.read_text().split() == ["triton-ascend"]
 
 
 @pytest.mark.parametrize("name, value, ok", [
