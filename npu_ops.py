@@ -274,9 +274,13 @@ def sleep_allocator():
 def profiler(trace_dir: str | None, worker: str = ""):
     """An unstarted profiler whose trace goes to `trace_dir` when it stops, as TensorBoard's
     trace handler writes it (Perfetto opens the JSON too; None: no trace, its key_averages()
-    only): torch's on CPU and CUDA; on Ascend torch_npu's, with NPU activity (op-plugin docs,
-    torch_npu.profiler.profile: the same arguments, its own ProfilerActivity and
-    tensorboard_trace_handler), never run here."""
+    only): torch's on CPU and CUDA; on Ascend with a trace_dir torch_npu's, with NPU activity
+    (op-plugin docs, torch_npu.profiler.profile: the same arguments, its own ProfilerActivity
+    and tensorboard_trace_handler), never run here. torch_npu's has no key_averages()
+    (v26.1.0-pytorch2.10.0 torch_npu/profiler/profiler.py, _KinetoProfile): without a trace_dir
+    Ascend gets torch's, host activity only (its ops and host reads; no device times)."""
+    if device_type() == "npu" and trace_dir is None:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     if device_type() == "npu":
         prof = torch_npu().profiler
         activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]

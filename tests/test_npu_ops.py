@@ -909,3 +909,55 @@ def test_no_aiv_is_set_at_import_on_several_nodes(tmp_path):
     seen, _ = run_with_standin(tmp_path, "import train_grpo",
                                {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
     assert seen["HCCL_OP_EXPANSION_MODE"] == "AIV"
+
+
+class StandInNpuProfiler:
+    """torch_npu.profiler as v26.1.0-pytorch2.10.0 defines it (torch_npu/profiler/profiler.py):
+    `profile` takes torch's arguments with its own ProfilerActivity and trace handler, and has
+    start, stop, step, export_chrome_trace, export_stacks, ... but no key_averages (its
+    _KinetoProfile has none)."""
+
+    class ProfilerActivity:
+        CPU, NPU = "CPU", "NPU"
+
+    @staticmethod
+    def tensorboard_trace_handler(dir_name, worker_name=None):
+        return lambda prof: None
+
+    class profile:
+        def __init__(self, activities=None, on_trace_ready=None, **kwargs):
+            self.activities, self.on_trace_ready = activities, on_trace_ready
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, output_path):
+            pass
+
+
+def test_the_bench_s_profile_runs_where_the_device_profiler_has_no_key_averages(monkeypatch,
+                                                                                tmp_path):
+    """bench/train_step.py --profile on an NPU (device stubbed, torch_npu's profiler a
+    stand-in without key_averages): bench/common.profiled counts the host side (ops, host
+    reads) from torch's own profiler and says it saw no device time; a trace still goes
+    through torch_npu's profiler."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    from common import profiled
+
+    fake = StandInDeviceModule()
+    fake.synchronize = lambda: None
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    monkeypatch.setattr(npu_ops, "STAND_IN", types.SimpleNamespace(profiler=StandInNpuProfiler))
+    counts = profiled(lambda: torch.ones(4).sum().item(), str(tmp_path / "profile.txt"))
+    assert counts["host_reads"] == 1 and counts["aten_ops"] >= 2, counts
+    assert counts["device_busy_s"] is None
+    assert "aten::_local_scalar_dense" in (tmp_path / "profile.txt").read_text()
+    traced = npu_ops.profiler(str(tmp_path / "trace"), "rank0")
+    assert isinstance(traced, StandInNpuProfiler.profile)
+    assert traced.activities == ["CPU", "NPU"]
