@@ -961,3 +961,28 @@ def test_the_bench_s_profile_runs_where_the_device_profiler_has_no_key_averages(
     traced = npu_ops.profiler(str(tmp_path / "trace"), "rank0")
     assert isinstance(traced, StandInNpuProfiler.profile)
     assert traced.activities == ["CPU", "NPU"]
+
+
+def test_the_moe_config_says_what_fused_kernels_auto_does_to_its_model(monkeypatch):
+    """configs/qwen3-30b-a3b-gsm8k-npu16.yaml's comment on model.fused_kernels against what
+    `auto` does to a qwen3_moe model on an NPU (device stubbed): nothing is patched (its family
+    has no fused kernels), so the comment names none of the norms, rotary or MLP as fused."""
+    import re
+
+    import fsdp_utils
+
+    text = open(os.path.join(ROOT, "configs", "qwen3-30b-a3b-gsm8k-npu16.yaml")).read()
+    block = re.search(r"^  fused_kernels: auto(.*\n(?: {32}#.*\n)*)", text, re.M).group(1)
+    comment = " ".join(part.strip(" #\n") for part in block.split("\n"))
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    standin = npu_ops.STAND_IN = StandInTorchNpu()
+    try:
+        model = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_moe")
+        report = fsdp_utils.patch_kernels(model, "auto")
+    finally:
+        npu_ops.STAND_IN = None
+    assert report[0].startswith("none (fused kernels are not written for model_type "
+                                "'qwen3_moe'")
+    model(input_ids=torch.randint(0, 15, (1, 5)))
+    assert standin.calls == {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
+    assert comment.startswith("none for qwen3_moe") and "norm" not in comment, comment
