@@ -552,12 +552,57 @@ FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention
 FUSION_MAX_SAMPLES = 1024
 
 
+# The chips whose "Supported Products" list each fused kernel (op-plugin 26.1.0 docs/en/
+# custom_APIs/torch_npu/<kernel>.md), named as vLLM-Ascend names them (ascend_soc; A5 is the
+# Ascend 950: vllm_ascend/utils.py is_950; _310P the Atlas inference products)
+KERNEL_CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
+                "npu_swiglu": ("A2",), "npu_fusion_attention": ("A2", "A5")}
+
+
+def _undocumented(kernel: str) -> str | None:
+    """Why `kernel` is not taken on this chip (op-plugin's docs do not list it), or None (listed,
+    or no vLLM-Ascend to say which chip this is)."""
+    chip = ascend_soc()
+    if chip is None or chip in KERNEL_CHIPS[kernel]:
+        return None
+    return (f"{kernel} is documented for {'/'.join(KERNEL_CHIPS[kernel])} only, not {chip} "
+            "(op-plugin 26.1.0)")
+
+
+def kernel_fallbacks(rotary_scale: float = 1.0) -> dict[str, str]:
+    """The fused kernels kernels.patch_qwen must leave to their plain-torch references here,
+    {"rms_norm" | "mlp" | "rotary": why}: one whose docs do not list this chip, and
+    npu_rotary_mul where the model's rope scales cos and sin by `rotary_scale` > 1 (YaRN's
+    attention factor): its doc (torch_npu-npu_rotary_mul.md, constraints) takes them in [-1, 1]."""
+    out = {slot: why for slot, kernel in (("rms_norm", "npu_rms_norm"), ("mlp", "npu_swiglu"),
+                                          ("rotary", "npu_rotary_mul"))
+           if (why := _undocumented(kernel)) is not None}
+    if abs(rotary_scale) > 1 and "rotary" not in out:
+        out["rotary"] = (f"the model's rope_scaling scales cos and sin by {rotary_scale:.4g}, and "
+                         "npu_rotary_mul takes them in [-1, 1] (op-plugin 26.1.0)")
+    return out
+
+
+@functools.cache
+def _warn_once(line: str) -> None:
+    log.warning(line)
+
+
 def attention_implementation(requested: str) -> str:
-    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here), 'sdpa' elsewhere."""
+    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here) where op-plugin's
+    docs list npu_fusion_attention for the chip, else 'sdpa' (logged once); 'sdpa' elsewhere.
+    FUSION_ATTENTION asked for on a chip the docs do not list is a ValueError."""
     if requested == FUSION_ATTENTION and not has_kernels():
         raise ValueError(f"model.attn_implementation={requested} needs torch_npu. Fix: auto")
+    why = _undocumented("npu_fusion_attention")
+    if requested == FUSION_ATTENTION and why is not None:
+        raise ValueError(f"model.attn_implementation={requested}: {why}. Fix: "
+                         "model.attn_implementation=auto (sdpa on this chip)")
     if requested != "auto":
         return requested
+    if device_type() == "npu" and why is not None:
+        _warn_once(f"model.attn_implementation=auto: sdpa, not {FUSION_ATTENTION}: {why}")
+        return "sdpa"
     return FUSION_ATTENTION if device_type() == "npu" else "sdpa"
 
 

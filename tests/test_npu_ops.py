@@ -19,15 +19,25 @@ from conftest import ROOT
 
 
 class StandInTorchNpu:
-    """torch_npu's documented contracts, checked on every call, computed in plain torch."""
+    """torch_npu's documented contracts, checked on every call, computed in plain torch. `chip`
+    (vLLM-Ascend's name of it; None: any): each kernel runs only on the chips its op-plugin
+    26.1.0 doc lists under "Supported Products"."""
 
-    def __init__(self):
+    CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
+             "npu_swiglu": ("A2",)}
+
+    def __init__(self, chip=None):
         self.calls = {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
+        self.chip = chip
+
+    def _count(self, kernel):
+        assert self.chip is None or self.chip in self.CHIPS[kernel], f"{kernel} on {self.chip}"
+        self.calls[kernel] += 1
 
     def npu_rms_norm(self, x, gamma, epsilon=1e-6):
         # returns (y, rstd); gamma has x's dtype and matches x's trailing dim
         assert gamma.dtype == x.dtype and gamma.shape == x.shape[-1:], (gamma.shape, x.shape)
-        self.calls["npu_rms_norm"] += 1
+        self._count("npu_rms_norm")
         rstd = (x.float().square().mean(-1, keepdim=True) + epsilon).rsqrt()
         return gamma * (x.float() * rstd).to(x.dtype), rstd
 
@@ -36,14 +46,16 @@ class StandInTorchNpu:
         assert x.dim() == 4 and r1.shape == r2.shape and x.shape[-1] % 2 == 0
         B, N, S, D = x.shape
         assert r1.shape in ((1, 1, S, D), (B, 1, S, D), (B, N, S, D)), (x.shape, r1.shape)
-        self.calls["npu_rotary_mul"] += 1
+        # "r1 or r2: the data range is [-1, 1]" (its doc's constraints, A2/A3)
+        assert r1.abs().max() <= 1 and r2.abs().max() <= 1, (r1.abs().max(), r2.abs().max())
+        self._count("npu_rotary_mul")
         x1, x2 = x.chunk(2, dim=-1)
         return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
 
     def npu_swiglu(self, x, dim=-1):
         # swish of the first half times the second half along `dim`
         assert x.shape[dim] % 2 == 0 and x.is_contiguous()
-        self.calls["npu_swiglu"] += 1
+        self._count("npu_swiglu")
         a, b = x.chunk(2, dim=dim)
         return a * torch.sigmoid(a) * b
 
@@ -986,3 +998,84 @@ def test_the_moe_config_says_what_fused_kernels_auto_does_to_its_model(monkeypat
     model(input_ids=torch.randint(0, 15, (1, 5)))
     assert standin.calls == {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
     assert comment.startswith("none for qwen3_moe") and "norm" not in comment, comment
+
+
+def yarn_qwen3(factor: float = 4.0):
+    """The tiny Qwen3 with YaRN rope scaling (transformers' _compute_yarn_parameters: cos and
+    sin times an attention factor of 0.1 ln(factor) + 1)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=15, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "factor": factor, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16}))
+
+
+def test_rope_scaling_past_the_rotary_kernel_s_range_takes_the_reference(restore_rotary):
+    """npu_rotary_mul takes cos and sin in [-1, 1]; a YaRN model's are scaled by ~1.14: the
+    fused path leaves its rotary embedding to the plain-torch reference (the norms and MLP
+    stay fused), says so, and equals transformers."""
+    model = yarn_qwen3()
+    ids = torch.randint(0, 15, (2, 9))
+    want_logits, want_grads = forward_backward(model, ids)
+    patched, standin = copy.deepcopy(model), StandInTorchNpu()
+    npu_ops.STAND_IN = standin
+    report = kernels.patch_qwen(patched, "fused")
+    got_logits, got_grads = forward_backward(patched, ids)
+    assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, atol=1e-6, rtol=1e-4), name
+    assert standin.calls["npu_rotary_mul"] == 0 and standin.calls["npu_swiglu"] == 2
+    assert report[2].endswith("-> rotary_reference (the model's rope_scaling scales cos and sin "
+                              "by 1.139, and npu_rotary_mul takes them in [-1, 1] (op-plugin "
+                              "26.1.0))"), report
+
+
+def vllm_ascend_built_for(monkeypatch, chip: str) -> None:
+    """A stand-in vllm_ascend whose _build_info says which chip it was built for (what
+    npu_ops.ascend_soc reads; npu_ops.check_device refuses any other chip before the engine)."""
+    import types
+
+    pkg, info = types.ModuleType("vllm_ascend"), types.ModuleType("vllm_ascend._build_info")
+    info.__device_type__ = chip
+    pkg._build_info = info
+    monkeypatch.setitem(sys.modules, "vllm_ascend", pkg)
+    monkeypatch.setitem(sys.modules, "vllm_ascend._build_info", info)
+
+
+@pytest.mark.parametrize("chip", ["A2", "A3"])
+def test_kernels_the_docs_do_not_list_for_the_chip_are_not_taken(monkeypatch, restore_rotary,
+                                                                 caplog, chip):
+    """op-plugin 26.1.0 lists npu_swiglu for A2 and npu_fusion_attention for A2 and the 950
+    only: on an A3 (device stubbed, a stand-in torch_npu that refuses a kernel off its listed
+    chips) the MLP takes its plain-torch reference and model.attn_implementation=auto gives
+    sdpa, both said in the log; asking for npu_fusion there is one line naming the fix."""
+    vllm_ascend_built_for(monkeypatch, chip)
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    model = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3")
+    ids = torch.randint(0, 15, (2, 9))
+    want_logits, _ = forward_backward(model, ids)
+    patched, standin = copy.deepcopy(model), StandInTorchNpu(chip)
+    npu_ops.STAND_IN = standin
+    report = kernels.patch_qwen(patched, "fused")
+    got_logits, _ = forward_backward(patched, ids)
+    assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert standin.calls["npu_rms_norm"] > 0 and standin.calls["npu_rotary_mul"] > 0
+    if chip == "A2":
+        assert standin.calls["npu_swiglu"] == 2 and report[1].endswith("swiglu_mlp_fused")
+        assert npu_ops.attention_implementation("auto") == npu_ops.FUSION_ATTENTION
+        assert npu_ops.attention_implementation("npu_fusion") == npu_ops.FUSION_ATTENTION
+        return
+    assert standin.calls["npu_swiglu"] == 0
+    assert report[1].endswith("-> swiglu_mlp_reference (npu_swiglu is documented for A2 only, "
+                              "not A3 (op-plugin 26.1.0))"), report
+    npu_ops._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="grpo"):
+        assert npu_ops.attention_implementation("auto") == "sdpa"
+    assert ("model.attn_implementation=auto: sdpa, not npu_fusion: npu_fusion_attention is "
+            "documented for A2/A5 only, not A3") in caplog.text
+    with pytest.raises(ValueError, match=r"^model.attn_implementation=npu_fusion: "
+                       "npu_fusion_attention is documented for A2/A5 only, not A3 .* Fix: "):
+        npu_ops.attention_implementation("npu_fusion")
