@@ -389,6 +389,13 @@ def engine_kwargs(versions: dict | None = None, matmul_allreduce: bool = False,
     return {"additional_config": extra}
 
 
+def sleep_rebuilds(extra_cleanup: bool) -> bool:
+    """The engine's sleep frees memory outside its sleep allocator's table that the wakes after
+    it allocate again: vLLM-Ascend with enable_sleep_mode_extra_cleanup (rollout.
+    sleep_extra_cleanup, which only it receives: engine_kwargs); rollout.EngineMemory counts it."""
+    return extra_cleanup and device_type() == "npu"
+
+
 def check_engine() -> str | None:
     """After the engine starts, on NPU: the weight NZ mode vLLM-Ascend applied, read back from
     its config (or, before weight_nz_mode, its variable). Raises unless 0: the first weight sync
