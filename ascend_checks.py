@@ -117,21 +117,21 @@ def _integer(value: str | None, lo: int, hi: int | None = None) -> bool:
 
 def _hccl(errors: list, warnings: list, env: dict) -> None:
     """HCCL's variables against the ranges of CANN 9.1.0's environment variable reference
-    (HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT, HCCL_BUFFSIZE, HCCL_IF_BASE_PORT): a value out of
-    range is an error before any process group forms, not a hang or a failed link later."""
+    (HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT, HCCL_BUFFSIZE, HCCL_IF_BASE_PORT) and the way
+    torch-npu reads them: a value out of range is an error before any process group forms, not a
+    hang or a failed link later."""
     bad = []
     for name, lo, hi, what in (("HCCL_CONNECT_TIMEOUT", 120, 7200, "whole seconds, 120-7200"),
                                ("HCCL_BUFFSIZE", 1, None, "whole MB, at least 1"),
                                ("HCCL_IF_BASE_PORT", 1024, 65520, "a port, 1024-65520")):
         if env.get(name) is not None and not _integer(env[name], lo, hi):
             bad.append(f"{name}={env[name]!r} ({what})")
+    # torch-npu reads HCCL_EXEC_TIMEOUT with strtol (v26.1.0-pytorch2.10.0
+    # OptionsManager.cpp:182-193): "0.5" would be 0, which its watchdog takes for "never"
     exec_s = env.get("HCCL_EXEC_TIMEOUT")
-    try:
-        ok = exec_s is None or float(exec_s) >= 0
-    except ValueError:
-        ok = False
-    if not ok:
-        bad.append(f"HCCL_EXEC_TIMEOUT={exec_s!r} (seconds, 0 or more)")
+    if exec_s is not None and not _integer(exec_s, 0):
+        bad.append(f"HCCL_EXEC_TIMEOUT={exec_s!r} (whole seconds, 0 or more: torch-npu 2.10 "
+                   "reads the leading integer only)")
     if bad:
         errors.append("HCCL settings out of CANN's documented ranges: " + "; ".join(bad)
                       + ". Fix: correct or unset them")

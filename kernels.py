@@ -97,14 +97,28 @@ PATHS = {"fused": (npu_ops.rms_norm_fused, npu_ops.swiglu_mlp_fused, npu_ops.rot
          "reference": (rms_norm_reference, swiglu_mlp_reference, rotary_reference)}
 
 
+def rotary_scale(model) -> float:
+    """The factor the model's rotary embedding multiplies cos and sin by (transformers'
+    attention_scaling: 1 but for rope_scaling such as YaRN's attention factor)."""
+    return max((abs(float(m.attention_scaling)) for m in model.modules()
+                if hasattr(m, "attention_scaling")), default=1.0)
+
+
 def patch_qwen(model, path: str = "fused") -> list:
-    """Route a Qwen2/Qwen3 model's RMSNorm, MLP and rotary embedding through `path`.
+    """Route a Qwen2/Qwen3 model's RMSNorm, MLP and rotary embedding through `path`; on the
+    fused path, a kernel that cannot take this chip or this model (npu_ops.kernel_fallbacks)
+    goes through its plain-torch reference instead, and the report says why.
 
     RMSNorm and MLP are patched on this model's module instances; the rotary function is a
     module-level function of transformers' modeling file, so that patch holds for every model of
     that architecture in the process. Returns what was patched, for the log.
     """
-    rms_norm, mlp, rotary = PATHS[path]
+    slots = ("rms_norm", "mlp", "rotary")
+    chosen, why = dict(zip(slots, PATHS[path])), {}
+    if path == "fused":
+        why = npu_ops.kernel_fallbacks(rotary_scale(model))
+        chosen.update({slot: dict(zip(slots, PATHS["reference"]))[slot] for slot in why})
+    rms_norm, mlp, rotary = (chosen[slot] for slot in slots)
     modeling = sys.modules[type(model).__module__]
     arch = type(model).__name__
     if not hasattr(modeling, "apply_rotary_pos_emb") or "Qwen" not in arch or "Moe" in arch:
@@ -122,6 +136,7 @@ def patch_qwen(model, path: str = "fused") -> list:
             module.forward = types.MethodType(mlp, module)
             counts["MLP"] += 1
     modeling.apply_rotary_pos_emb = rotary
-    return [f"{counts['RMSNorm']} RMSNorm -> {rms_norm.__name__}",
-            f"{counts['MLP']} MLP -> {mlp.__name__}",
-            f"{modeling.__name__}.apply_rotary_pos_emb -> {rotary.__name__}"]
+    lines = [f"{counts['RMSNorm']} RMSNorm -> {rms_norm.__name__}",
+             f"{counts['MLP']} MLP -> {mlp.__name__}",
+             f"{modeling.__name__}.apply_rotary_pos_emb -> {rotary.__name__}"]
+    return [line + (f" ({why[slot]})" if slot in why else "") for slot, line in zip(slots, lines)]

@@ -44,14 +44,45 @@ def npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+# CANN 8.5.0's environment-variable reference, HCCL_OP_EXPANSION_MODE (envref_07_0096), on A2:
+# AIV for inference on symmetric networks, never several communicators in parallel, Broadcast
+# within one node of at most this many cards
+AIV_MAX_CARDS = 8
+
+
+def aiv_blocker(matmul_allreduce: bool = False, sp_size: int = 1) -> str | None:
+    """Why this run leaves HCCL_OP_EXPANSION_MODE to HCCL instead of setting AIV, or None where
+    AIV is inside what CANN documents (docs/platforms.md, "Ascend NPUs"). The ranks' layout
+    from torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (none: one process)."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
+    if matmul_allreduce:
+        return ("rollout.matmul_allreduce: MC2-family kernels have hung under AIV expansion "
+                "(vllm-ascend issues #14928, #3881)")
+    if sp_size > 1:
+        return (f"model.sp_size={sp_size}: the sequence-parallel all-to-all runs beside FSDP2's "
+                "all-gather on another communicator, and CANN documents AIV for one "
+                "communicator at a time")
+    if world > 1 and local is None:
+        return ("WORLD_SIZE without LOCAL_WORLD_SIZE (torchrun sets both): one node is not "
+                "known, and CANN documents AIV's Broadcast within one node")
+    if world > int(local or 1):
+        return (f"{world} ranks on several nodes: CANN documents AIV's Broadcast within one "
+                "node (the actor's broadcast from rank 0 reaches every node)")
+    if world > AIV_MAX_CARDS:
+        return (f"{world} ranks on one node: CANN documents AIV's Broadcast for at most "
+                f"{AIV_MAX_CARDS} cards")
+    return None
+
+
 def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
-                        matmul_allreduce: bool = False) -> dict:
+                        matmul_allreduce: bool = False, sp_size: int = 1) -> dict:
     """The environment an RL run on Ascend wants (not run here; sources named):
     - TASK_QUEUE_ENABLE: 2 dispatches more work on a second thread (faster in eager mode), but
       torch_npu refuses graph capture with it, so graph mode needs 1;
     - HCCL_OP_EXPANSION_MODE=AIV: collectives scheduled by the AI vector cores, not the AI CPU;
-      left to HCCL with `matmul_allreduce` (rollout.matmul_allreduce): MC2-family kernels have
-      hung under AIV expansion (vllm-ascend issues #14928, #3881);
+      only where CANN documents it (`aiv_blocker`: one node of at most 8 cards, one
+      communicator at a time, and no fused matmul + all-reduce, rollout.matmul_allreduce),
+      else left to HCCL;
     - VLLM_ASCEND_ENABLE_NZ=0: vLLM-Ascend 0.23's NPUWorker.wake_up (worker/worker.py) raises
       "FRACTAL_NZ mode is enabled" unless the weight NZ mode is 0, and its default is 1 (envs.py);
     - PYTORCH_NPU_ALLOC_CONF: sleep mode's memory pool is incompatible with expandable segments;
@@ -66,7 +97,7 @@ def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
     rollout.matmul_allreduce to the engine (off by default)."""
     env = {"TASK_QUEUE_ENABLE": "1" if graph_mode else "2", "VLLM_ASCEND_ENABLE_NZ": "0",
            "CPU_AFFINITY_CONF": "1", "HCCL_CONNECT_TIMEOUT": "1200"}
-    if not matmul_allreduce:
+    if aiv_blocker(matmul_allreduce, sp_size) is None:
         env["HCCL_OP_EXPANSION_MODE"] = "AIV"
     if sleep_mode:
         env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:False"
@@ -74,8 +105,8 @@ def ascend_env_defaults(graph_mode: bool = False, sleep_mode: bool = True,
 
 
 def _set_env_before_torch() -> dict:
-    """At import: the defaults for eager mode with sleep mode (what the configs ship), where the
-    user set none. Returns what it set."""
+    """At import: the defaults for eager mode with sleep mode (what the configs ship) and no
+    sequence parallelism, where the user set none. Returns what it set."""
     if not npu_installed() or "torch_npu" in sys.modules:
         return {}
     early = {k: v for k, v in ascend_env_defaults().items() if k not in os.environ}
@@ -252,9 +283,13 @@ def sleep_allocator():
 def profiler(trace_dir: str | None, worker: str = ""):
     """An unstarted profiler whose trace goes to `trace_dir` when it stops, as TensorBoard's
     trace handler writes it (Perfetto opens the JSON too; None: no trace, its key_averages()
-    only): torch's on CPU and CUDA; on Ascend torch_npu's, with NPU activity (op-plugin docs,
-    torch_npu.profiler.profile: the same arguments, its own ProfilerActivity and
-    tensorboard_trace_handler), never run here."""
+    only): torch's on CPU and CUDA; on Ascend with a trace_dir torch_npu's, with NPU activity
+    (op-plugin docs, torch_npu.profiler.profile: the same arguments, its own ProfilerActivity
+    and tensorboard_trace_handler), never run here. torch_npu's has no key_averages()
+    (v26.1.0-pytorch2.10.0 torch_npu/profiler/profiler.py, _KinetoProfile): without a trace_dir
+    Ascend gets torch's, host activity only (its ops and host reads; no device times)."""
+    if device_type() == "npu" and trace_dir is None:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     if device_type() == "npu":
         prof = torch_npu().profiler
         activities = [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
@@ -289,15 +324,16 @@ def _interactive() -> bool:
 
 
 def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
-              matmul_allreduce: bool = False) -> dict:
+              matmul_allreduce: bool = False, sp_size: int = 1) -> dict:
     """Set the environment defaults that depend on the config, before the device, the process
     group or the engine initialise (torch_npu reads these then, not at import: section 0). A
     value the user set is kept; a default this module set at import that the config rules out
     is taken back. Returns {name: (value, source)} for the start-up log; source is "user",
     "default", or "torch_npu" for the task queue level it forces to 0 in an interactive
-    session (kept: torch_npu warns against raising it there)."""
+    session (kept: torch_npu warns against raising it there); the AIV expansion's, where
+    `aiv_blocker` rules it out, says why."""
     if npu_installed():
-        wanted = ascend_env_defaults(graph_mode, sleep_mode, matmul_allreduce)
+        wanted = ascend_env_defaults(graph_mode, sleep_mode, matmul_allreduce, sp_size)
         if _TORCH_FIRST:
             log.warning("torch was imported before npu_ops, so torch_npu loaded before the Ascend "
                         "environment was set: import train_grpo (or npu_ops) before torch, or "
@@ -320,6 +356,11 @@ def setup_env(graph_mode: bool = False, sleep_mode: bool = True,
             report[name] = (value, "default")
         else:
             report[name] = (current, "user")
+    if npu_installed() and (why := aiv_blocker(matmul_allreduce, sp_size)) is not None:
+        mode = os.environ.get("HCCL_OP_EXPANSION_MODE")
+        report["HCCL_OP_EXPANSION_MODE"] = (
+            (mode, f"user, kept; not AIV by default: {why}") if mode
+            else ("unset", f"HCCL decides; not AIV: {why}"))
     if "OMP_NUM_THREADS" in wanted:
         # vLLM's CPU worker later turns torch.set_num_threads into a no-op: set it now.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -357,6 +398,13 @@ def engine_kwargs(versions: dict | None = None, matmul_allreduce: bool = False,
     return {"additional_config": extra}
 
 
+def sleep_rebuilds(extra_cleanup: bool) -> bool:
+    """The engine's sleep frees memory outside its sleep allocator's table that the wakes after
+    it allocate again: vLLM-Ascend with enable_sleep_mode_extra_cleanup (rollout.
+    sleep_extra_cleanup, which only it receives: engine_kwargs); rollout.EngineMemory counts it."""
+    return extra_cleanup and device_type() == "npu"
+
+
 def check_engine() -> str | None:
     """After the engine starts, on NPU: the weight NZ mode vLLM-Ascend applied, read back from
     its config (or, before weight_nz_mode, its variable). Raises unless 0: the first weight sync
@@ -392,6 +440,28 @@ def experts_implementation(dtype: torch.dtype) -> tuple[str, str]:
     return "grouped_mm", f"torch._grouped_mm on {kind}"
 
 
+# vLLM-Ascend 0.23's attention (attention/attention_v1.py:1234-1320) runs
+# npu_fused_infer_attention_score / _npu_paged_attention, whose query is fp16/bf16 only (op-plugin
+# 26.1.0 docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md:116)
+NPU_ENGINE_DTYPES = ("bfloat16", "float16")
+
+
+def engine_dtypes() -> tuple[str, ...] | None:
+    """The engine dtypes this platform's attention kernels take, the first the one to pick;
+    None: any (CPU, where fp32 keeps the engine and the trainer exact, and CUDA)."""
+    return NPU_ENGINE_DTYPES if device_type() == "npu" else None
+
+
+def check_engine_dtype(dtype: str) -> None:
+    """rollout.dtype against the engine's kernels here: a one-line ValueError where they take
+    no such query (an fp32 engine on an NPU would fail in its first profile run)."""
+    if (takes := engine_dtypes()) is not None and dtype not in takes:
+        raise ValueError(f"rollout.dtype={dtype} on an Ascend NPU: vLLM-Ascend 0.23's attention "
+                         "kernels (npu_fused_infer_attention_score, _npu_paged_attention) take "
+                         f"{' or '.join(takes)} queries only. Fix: --rollout.dtype={takes[0]} "
+                         f"--model.param_dtype={takes[0]}")
+
+
 def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
     """A mixture of experts' engine options on this platform: a one-line ValueError where its
     engine cannot do them."""
@@ -414,12 +484,13 @@ def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
 
 
 def check_platform(graph_mode: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                   lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1) -> None:
+                   lora: bool = False, matmul_allreduce: bool = False, tp_size: int = 1,
+                   sp_size: int = 1) -> None:
     """Run the checks of the platform this process is on; warnings go to the log. On Ascend the
     checks see the environment the run will have: without the defaults this module set at
     import that setup_env takes back for this config."""
     if npu_installed():
-        gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce))
+        gone = _taken_back(ascend_env_defaults(graph_mode, True, matmul_allreduce, sp_size))
         env = {k: v for k, v in os.environ.items() if k not in gone}
         versions = ascend_checks.stack_versions(env)
         log.info("Ascend stack: %s", ", ".join(f"{k} {v}" for k, v in versions.items()))
@@ -497,12 +568,57 @@ FUSION_ATTENTION = "npu_fusion"  # the attn_implementation name fusion_attention
 FUSION_MAX_SAMPLES = 1024
 
 
+# The chips whose "Supported Products" list each fused kernel (op-plugin 26.1.0 docs/en/
+# custom_APIs/torch_npu/<kernel>.md), named as vLLM-Ascend names them (ascend_soc; A5 is the
+# Ascend 950: vllm_ascend/utils.py is_950; _310P the Atlas inference products)
+KERNEL_CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
+                "npu_swiglu": ("A2",), "npu_fusion_attention": ("A2", "A5")}
+
+
+def _undocumented(kernel: str) -> str | None:
+    """Why `kernel` is not taken on this chip (op-plugin's docs do not list it), or None (listed,
+    or no vLLM-Ascend to say which chip this is)."""
+    chip = ascend_soc()
+    if chip is None or chip in KERNEL_CHIPS[kernel]:
+        return None
+    return (f"{kernel} is documented for {'/'.join(KERNEL_CHIPS[kernel])} only, not {chip} "
+            "(op-plugin 26.1.0)")
+
+
+def kernel_fallbacks(rotary_scale: float = 1.0) -> dict[str, str]:
+    """The fused kernels kernels.patch_qwen must leave to their plain-torch references here,
+    {"rms_norm" | "mlp" | "rotary": why}: one whose docs do not list this chip, and
+    npu_rotary_mul where the model's rope scales cos and sin by `rotary_scale` > 1 (YaRN's
+    attention factor): its doc (torch_npu-npu_rotary_mul.md, constraints) takes them in [-1, 1]."""
+    out = {slot: why for slot, kernel in (("rms_norm", "npu_rms_norm"), ("mlp", "npu_swiglu"),
+                                          ("rotary", "npu_rotary_mul"))
+           if (why := _undocumented(kernel)) is not None}
+    if abs(rotary_scale) > 1 and "rotary" not in out:
+        out["rotary"] = (f"the model's rope_scaling scales cos and sin by {rotary_scale:.4g}, and "
+                         "npu_rotary_mul takes them in [-1, 1] (op-plugin 26.1.0)")
+    return out
+
+
+@functools.cache
+def _warn_once(line: str) -> None:
+    log.warning(line)
+
+
 def attention_implementation(requested: str) -> str:
-    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here), 'sdpa' elsewhere."""
+    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here) where op-plugin's
+    docs list npu_fusion_attention for the chip, else 'sdpa' (logged once); 'sdpa' elsewhere.
+    FUSION_ATTENTION asked for on a chip the docs do not list is a ValueError."""
     if requested == FUSION_ATTENTION and not has_kernels():
         raise ValueError(f"model.attn_implementation={requested} needs torch_npu. Fix: auto")
+    why = _undocumented("npu_fusion_attention")
+    if requested == FUSION_ATTENTION and why is not None:
+        raise ValueError(f"model.attn_implementation={requested}: {why}. Fix: "
+                         "model.attn_implementation=auto (sdpa on this chip)")
     if requested != "auto":
         return requested
+    if device_type() == "npu" and why is not None:
+        _warn_once(f"model.attn_implementation=auto: sdpa, not {FUSION_ATTENTION}: {why}")
+        return "sdpa"
     return FUSION_ATTENTION if device_type() == "npu" else "sdpa"
 
 

@@ -144,8 +144,10 @@ class RolloutConfig:
              f"rollout.sync_by=unit gathers in model.param_dtype={cfg.model.param_dtype}, which "
              f"would round the {self.dtype} engine's weights. Fix: rollout.sync_by=tensor, or "
              "the same dtypes")
+        npu_ops.check_engine_dtype(self.dtype)  # the dtypes the platform's attention takes
         npu_ops.check_platform(not self.enforce_eager, self.temperature, self.top_p,  # graph
-                               cfg.model.lora.rank > 0, self.matmul_allreduce, tp)  # mode, LoRA
+                               cfg.model.lora.rank > 0, self.matmul_allreduce, tp,  # mode, LoRA
+                               cfg.model.sp_size)  # (sequence parallel: no AIV expansion)
 
     def check_model(self, cfg, text: dict) -> None:
         """max_model_len within the model's positions, and a KV cache (kv_cache_memory_bytes)
@@ -277,7 +279,7 @@ class Engine:
         self.allocated_gb = (npu_ops.memory_gb()["allocated"] - allocated if self.can_sleep
                              else 0.0)
         self.weights_awake = self.kv_cache_awake = True
-        self.memory = {}  # accelerators: {"sleep" | "wake_weights" | ...: (GiB before, after)}
+        self.memory = EngineMemory(npu_ops.sleep_rebuilds(cfg.sleep_extra_cleanup))
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
         self.adapter = None  # with LoRA: the request every call makes (add_adapter)
         ram = "/dev/shm" if os.path.isdir("/dev/shm") else None  # with LoRA: the adapter's files
@@ -359,13 +361,13 @@ class Engine:
             return
         keep = self.lora is not None and hasattr(self.llm, "release_kv_cache_memory")
         if self.can_sleep:
-            before = npu_ops.device_memory_used_gb()
+            before = self.memory.before_sleep()
             if keep:
                 self.llm.sleep(level=0)
                 self.llm.release_kv_cache_memory()
             else:
                 self.llm.sleep(level=1 if self.lora else self.cfg.sleep_level)
-            self._log_memory("sleep", before)
+            self.memory.log("sleep", before)
         self.kv_cache_awake, self.weights_awake = False, keep
 
     def wake(self, tags: list[str]) -> None:
@@ -377,27 +379,12 @@ class Engine:
                   or t == "kv_cache" and not self.kv_cache_awake]  # (vLLM maps what it is asked)
         if self.can_sleep and asleep:
             npu_ops.release_cached_memory()  # the trainer's cached blocks, before the engine maps
-            _check_room(asleep)  # room for what it maps: a failed map ends the process silently
+            self.memory.check_room(asleep)  # a failed map ends the process silently
             before = npu_ops.device_memory_used_gb()
             _wake_up(self.llm, asleep)
-            self._log_memory("wake_" + "_".join(asleep), before)
+            self.memory.log("wake_" + "_".join(asleep), before, asleep)
         self.weights_awake = self.weights_awake or "weights" in tags
         self.kv_cache_awake = self.kv_cache_awake or "kv_cache" in tags
-
-    def _log_memory(self, event: str, before) -> None:
-        """Device memory in use around a sleep or wake, logged (INFO the first time, DEBUG
-        after) and kept for the step's metrics. Nothing on CPU."""
-        if before is None or (after := npu_ops.device_memory_used_gb()) is None:
-            return
-        level = logging.DEBUG if event in self.memory else logging.INFO
-        log.log(level, "engine %s: device memory in use %.2f -> %.2f GiB", event, before, after)
-        self.memory[event] = (before, after)
-
-    def memory_metrics(self) -> dict:
-        """Device memory in use (GiB) before and after the newest sleep and each wake, as
-        metrics: mem_sleep_before_gb, mem_wake_kv_cache_after_gb, ... (none on CPU)."""
-        return {f"mem_{event}_{when}_gb": gb for event, pair in self.memory.items()
-                for when, gb in zip(("before", "after"), pair)}
 
     def shutdown(self) -> None:
         """Free the engine and vLLM's process groups. What sleeps is woken first, each tag once
@@ -581,24 +568,76 @@ def _experts_as_loaded(worker) -> int:
     return restored
 
 
-def _check_room(tags: list[str]) -> None:
-    """Before a wake: the device has room for what it maps back, read from the sleep
-    allocator's own table (vLLM 0.26, 0.32 device_allocator/cumem.py and vLLM-Ascend 0.23
-    device_allocator/camem.py: pointer_to_data, each allocation's size at handle[1] and its
-    tag). vLLM-Ascend's wake maps with aclrtMallocPhysical and throws from C++ when that fails
-    (csrc/camem_allocator.cpp create_and_map, uncaught in python_create_and_map): the process
-    would end with no Python traceback and no log line. Raises MemoryError instead."""
-    free = npu_ops.device_free_gb()
-    if free is None:
-        return
+def _mapped_gb(tags: list[str] | None = None) -> float:
+    """GiB the sleep allocator's table holds under `tags` (None: all), what a sleep unmaps and a
+    wake maps back (vLLM 0.26, 0.32 device_allocator/cumem.py and vLLM-Ascend 0.23
+    device_allocator/camem.py: pointer_to_data, each allocation's size at handle[1], its tag)."""
     table = _sleep_allocator().pointer_to_data.values()
-    need = sum(d.handle[1] for d in table if d.tag in tags) / 2**30
-    if need > free:
-        raise MemoryError(
-            f"engine wake ({', '.join(tags)}): it maps back {need:.2f} GiB but {free:.2f} GiB "
-            "of device memory is free. Fix: lower rollout.gpu_memory_utilization or "
-            "rollout.kv_cache_memory_bytes (a smaller KV cache), or model.offload=on (the actor "
-            "and its optimizer state leave the device while the engine is awake)")
+    return sum(d.handle[1] for d in table if tags is None or d.tag in tags) / 2**30
+
+
+class EngineMemory:
+    """Device memory around the engine's sleeps and wakes (nothing on CPU): each one's before
+    and after, logged and kept for the step's metrics (`events`), and before each wake the room
+    for what it allocates (`check_room`). `rebuilds`: vLLM-Ascend's extra cleanup is on
+    (npu_ops.sleep_rebuilds): its sleep also destroys HCCL's communicators (and in graph mode
+    drops the graphs), memory outside the allocator's table, which the wakes after it allocate
+    again (vLLM-Ascend 0.23 worker/worker.py:223-225 and 278-280,
+    device_allocator/sleep_mem_optimized.py): measured as what the sleep freed beyond the
+    table, and counted at each wake until the wakes have taken it back."""
+
+    def __init__(self, rebuilds: bool = False):
+        self.events = {}  # {"sleep" | "wake_weights" | ...: (GiB in use before, after)}
+        self.rebuilt_gb = 0.0 if rebuilds else None  # freed by the sleep beyond the table,
+        #   not yet allocated again
+
+    def before_sleep(self) -> float | None:
+        """Device memory in use before a sleep. With `rebuilds`, torch's cached blocks given
+        back first: the sleep empties torch's cache itself (0.23 camem.py, sleep), and what it
+        frees must be the engine's alone."""
+        if self.rebuilt_gb is not None:
+            npu_ops.release_cached_memory()
+        return npu_ops.device_memory_used_gb()
+
+    def log(self, event: str, before, tags: list[str] | None = None) -> None:
+        """Device memory in use around a sleep (tags None) or a wake of `tags`, logged (INFO the
+        first time, DEBUG after); with `rebuilds`, what is still to come back."""
+        if before is None or (after := npu_ops.device_memory_used_gb()) is None:
+            return
+        level = logging.DEBUG if event in self.events else logging.INFO
+        log.log(level, "engine %s: device memory in use %.2f -> %.2f GiB", event, before, after)
+        self.events[event] = (before, after)
+        if self.rebuilt_gb is not None and tags is None:
+            self.rebuilt_gb = max(0.0, before - after - _mapped_gb())
+        elif self.rebuilt_gb is not None:
+            back = after - before - _mapped_gb(tags)
+            self.rebuilt_gb = max(0.0, self.rebuilt_gb - max(0.0, back))
+
+    def metrics(self) -> dict:
+        """Device memory in use (GiB) before and after the newest sleep and each wake, as
+        metrics: mem_sleep_before_gb, mem_wake_kv_cache_after_gb, ... (none on CPU)."""
+        return {f"mem_{event}_{when}_gb": gb for event, pair in self.events.items()
+                for when, gb in zip(("before", "after"), pair)}
+
+    def check_room(self, tags: list[str]) -> None:
+        """Before a wake: the device has room for what it maps back and, with `rebuilds`, what
+        the extra cleanup allocates again. vLLM-Ascend's wake maps with aclrtMallocPhysical and
+        throws from C++ when that fails (csrc/camem_allocator.cpp create_and_map, uncaught in
+        python_create_and_map): the process would end with no Python traceback and no log
+        line. Raises MemoryError instead."""
+        free = npu_ops.device_free_gb()
+        if free is None:
+            return
+        mapped, rebuilt = _mapped_gb(tags), self.rebuilt_gb or 0.0
+        if mapped + rebuilt > free:
+            also = (f" and rebuilds {rebuilt:.2f} GiB that rollout.sleep_extra_cleanup freed "
+                    "(HCCL's buffers)") if rebuilt else ""
+            raise MemoryError(
+                f"engine wake ({', '.join(tags)}): it maps back {mapped:.2f} GiB{also} but "
+                f"{free:.2f} GiB of device memory is free. Fix: lower "
+                "rollout.gpu_memory_utilization or rollout.kv_cache_memory_bytes (a smaller KV "
+                "cache), or model.offload=on (the actor and its optimizer state leave the device "
+                "while the engine is awake)")
 
 
 def _checked(ids, logp) -> tuple[list[int], list[float]]:

@@ -195,7 +195,8 @@ def setup(cfg: Config) -> Run:
     cfg = resolve(cfg)
     # before the engine or any accelerator runtime starts: npu_ops.setup_env says why
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
-                            matmul_allreduce=cfg.rollout.matmul_allreduce)
+                            matmul_allreduce=cfg.rollout.matmul_allreduce,
+                            sp_size=cfg.model.sp_size)
     run = Run(cfg, *init_distributed(cfg.train.dist_timeout_s))
     _OPEN = weakref.ref(run)
     try:
@@ -431,7 +432,7 @@ def step_metrics(run: Run, update: dict, started: tuple) -> dict:
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
-        **run.engine.memory_metrics(), **run.turn.metrics()})
+        **run.engine.memory.metrics(), **run.turn.metrics()})
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step_time_s"]
     # the update's model FLOP utilisation: matrix FLOPs over its seconds, per device
     flops = (run.flops[0] * metrics.pop("trained_tokens")

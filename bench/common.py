@@ -124,7 +124,8 @@ def profiled(fn, path: str, rows: int = 40) -> dict:
     """Run fn() once under the device profiler (npu_ops.profiler, no trace file) and write to
     `path` the ops by their own device time (`rows` of them); returns the counts that say
     where the host waits: kernel launches, synchronisations, copies, `.item()`-style reads
-    (aten::_local_scalar_dense), the ops run, and the device's busy seconds."""
+    (aten::_local_scalar_dense), the ops run, and the device's busy seconds (None where the
+    profiler recorded no device activity: host only, as npu_ops.profiler says where)."""
     import npu_ops
 
     npu_ops.synchronize()
@@ -136,8 +137,8 @@ def profiled(fn, path: str, rows: int = 40) -> dict:
               for kind, words in API_KINDS.items()}
     counts["host_reads"] = sum(a.count for a in averages if a.key == "aten::_local_scalar_dense")
     counts["aten_ops"] = sum(a.count for a in averages if a.key.startswith("aten::"))
-    counts["device_busy_s"] = round(sum(a.self_device_time_total for a in averages  # kernels
-                                        if a.device_type.name != "CPU") / 1e6, 4)
+    kernels = [a.self_device_time_total for a in averages if a.device_type.name != "CPU"]
+    counts["device_busy_s"] = round(sum(kernels) / 1e6, 4) if kernels else None
     with open(path, "w") as f:
         f.write(averages.table(sort_by="self_device_time_total", row_limit=rows) + "\n")
         f.write(json.dumps(counts) + "\n")

@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
-    npu_ops.setup_env()
+    npu_ops.setup_env(sp_size=2)  # sp_size 2 runs here too (the expansion mode it may take)
     rank, world = init_distributed()
     path = random_qwen2(args.hidden, args.layers, rank)
     half = args.tokens // 2

@@ -150,7 +150,7 @@ def main() -> None:
         "--log.save_every=0", "--log.samples_every=0", "--log.wandb=disabled"])
     if args.shape or args.hidden:  # a random model of those shapes, prompts of the tiny alphabet
         npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager,
-                          matmul_allreduce=cfg.rollout.matmul_allreduce)
+                          matmul_allreduce=cfg.rollout.matmul_allreduce, sp_size=cfg.model.sp_size)
         rank, _ = train_grpo.init_distributed()  # setup() joins the same process group
         cfg.model.path = model_from_args(args, rank)
         prompts = os.path.join(out, f"prompts_{rank}.jsonl")  # every rank writes its own copy

@@ -5,7 +5,8 @@
 #      the exact pinned host memory, engine == trainer after a bf16 sync, the device's kernels
 #      against their plain-torch references, an update with no token to learn from, 20 steps
 #      that exit cleanly, steps after a Ctrl-C caught in a reward);
-#   2. the tiny task for 100 steps (configs/tiny_cpu.yaml);
+#   2. the tiny task for 100 steps (configs/tiny_cpu.yaml, its model and engine in
+#      $ENGINE_DTYPE: float32 by default, as the config; npu_check.sh gives bfloat16);
 #   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses) on
 #      $BENCH_CONFIG (default configs/qwen2.5-0.5b-gsm8k-cuda1.yaml);
 #   4. a LoRA run (configs/lora_cpu.yaml in bf16, 30 steps, a KL term against the base): the
@@ -25,6 +26,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 PARTS=${PARTS-tests tiny bench lora}  # empty: only the summary
 BENCH_CONFIG=${BENCH_CONFIG:-configs/qwen2.5-0.5b-gsm8k-cuda1.yaml}
 export DEVICE_ERRORS=${DEVICE_ERRORS:-CUDA [Ee]rror}
+ENGINE_DTYPE=${ENGINE_DTYPE:-float32}  # the tiny part's model.param_dtype and rollout.dtype
 mkdir -p "$OUT"
 start=$(date +%s)
 
@@ -37,6 +39,7 @@ if part tests; then
 fi
 if part tiny; then
   timeout 240 "$PY" train_grpo.py --config configs/tiny_cpu.yaml --train.steps=100 \
+      --model.param_dtype="$ENGINE_DTYPE" --rollout.dtype="$ENGINE_DTYPE" \
       --log.out_dir="$OUT/tiny" --log.eval_every=100 --data.tiny_task_dir="$OUT/tiny_task" \
       >"$OUT/tiny.log" 2>&1
   echo "$?" >"$OUT/tiny.rc"

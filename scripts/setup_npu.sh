@@ -25,6 +25,7 @@ VLLM_TAG=v0.23.0           # rollout.TESTED_VLLM and ascend_checks.TESTED_NPU_ST
 VLLM_ASCEND=0.23.0
 TORCH=2.10.0
 TORCH_NPU=2.10.0.post4
+TRITON_ASCEND=3.2.2        # vllm-ascend 0.23.0's requirements.txt pin
 SRC=${SRC:-$HOME/.cache/grpo-npu-src}
 
 "$PY" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12), sys.version' || {
@@ -71,5 +72,24 @@ except ValueError as e: sys.exit(f"setup_npu.sh: PyPI wheel of vllm-ascend: {e}"
     "vllm-ascend==$VLLM_ASCEND"
 fi
 pip_install -r requirements-npu.txt
+# Exactly one `triton` package, triton-ascend's: on x86 vllm-ascend's xgrammar pulls upstream
+# triton (its pyproject.toml: triton on Linux x86_64), which installs the same `triton` package
+# as triton-ascend. vLLM-Ascend 0.23.0's Dockerfile (lines 51-53, 70-71) uninstalls both and
+# installs triton-ascend last; so does this, where another distribution ships triton/
+triton_owners() { "$PY" -c 'import importlib.metadata as m, re
+owners = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in m.distributions()
+          if any(str(f) == "triton/__init__.py" for f in d.files or ())}
+print(" ".join(sorted(owners)))'; }
+if [ "$(triton_owners)" != triton-ascend ]; then
+  "$PY" -m pip uninstall -y triton triton-ascend
+  pip_install --extra-index-url https://mirrors.huaweicloud.com/ascend/repos/pypi \
+    "triton-ascend==$TRITON_ASCEND"
+fi
+owners=$(triton_owners)
+if [ "$owners" != triton-ascend ]; then
+  echo "setup_npu.sh: the triton package comes from '$owners', not triton-ascend alone. Fix:" >&2
+  echo "  $PY -m pip uninstall -y triton triton-ascend, then run this script again" >&2
+  exit 1
+fi
 # the start-up checks of the trainer, on the installed versions (no model, no device needed)
 "$PY" -c 'import os, ascend_checks as a; v = a.installed_versions(); print(v); a.check_ascend({**os.environ, "VLLM_ASCEND_ENABLE_NZ": "0"}, v)'

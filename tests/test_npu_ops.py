@@ -19,15 +19,25 @@ from conftest import ROOT
 
 
 class StandInTorchNpu:
-    """torch_npu's documented contracts, checked on every call, computed in plain torch."""
+    """torch_npu's documented contracts, checked on every call, computed in plain torch. `chip`
+    (vLLM-Ascend's name of it; None: any): each kernel runs only on the chips its op-plugin
+    26.1.0 doc lists under "Supported Products"."""
 
-    def __init__(self):
+    CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
+             "npu_swiglu": ("A2",)}
+
+    def __init__(self, chip=None):
         self.calls = {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
+        self.chip = chip
+
+    def _count(self, kernel):
+        assert self.chip is None or self.chip in self.CHIPS[kernel], f"{kernel} on {self.chip}"
+        self.calls[kernel] += 1
 
     def npu_rms_norm(self, x, gamma, epsilon=1e-6):
         # returns (y, rstd); gamma has x's dtype and matches x's trailing dim
         assert gamma.dtype == x.dtype and gamma.shape == x.shape[-1:], (gamma.shape, x.shape)
-        self.calls["npu_rms_norm"] += 1
+        self._count("npu_rms_norm")
         rstd = (x.float().square().mean(-1, keepdim=True) + epsilon).rsqrt()
         return gamma * (x.float() * rstd).to(x.dtype), rstd
 
@@ -36,14 +46,16 @@ class StandInTorchNpu:
         assert x.dim() == 4 and r1.shape == r2.shape and x.shape[-1] % 2 == 0
         B, N, S, D = x.shape
         assert r1.shape in ((1, 1, S, D), (B, 1, S, D), (B, N, S, D)), (x.shape, r1.shape)
-        self.calls["npu_rotary_mul"] += 1
+        # "r1 or r2: the data range is [-1, 1]" (its doc's constraints, A2/A3)
+        assert r1.abs().max() <= 1 and r2.abs().max() <= 1, (r1.abs().max(), r2.abs().max())
+        self._count("npu_rotary_mul")
         x1, x2 = x.chunk(2, dim=-1)
         return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
 
     def npu_swiglu(self, x, dim=-1):
         # swish of the first half times the second half along `dim`
         assert x.shape[dim] % 2 == 0 and x.is_contiguous()
-        self.calls["npu_swiglu"] += 1
+        self._count("npu_swiglu")
         a, b = x.chunk(2, dim=dim)
         return a * torch.sigmoid(a) * b
 
@@ -202,7 +214,9 @@ def test_matmul_allreduce_takes_back_the_aiv_default_but_not_the_user_s(monkeypa
         monkeypatch.setenv(name, value)
     npu_ops.check_platform(matmul_allreduce=True, tp_size=2)  # the checks see it gone already
     report = npu_ops.setup_env(matmul_allreduce=True)
-    assert "HCCL_OP_EXPANSION_MODE" not in os.environ and "HCCL_OP_EXPANSION_MODE" not in report
+    assert "HCCL_OP_EXPANSION_MODE" not in os.environ
+    value, source = report["HCCL_OP_EXPANSION_MODE"]  # logged, with why
+    assert value == "unset" and "not AIV: rollout.matmul_allreduce" in source
     monkeypatch.setattr(npu_ops, "_OURS", {})
     monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")  # the user's
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV: the fused"):
@@ -545,13 +559,29 @@ def test_the_peak_behind_mfu_is_the_cards_by_its_name(monkeypatch):
 
 STAND_IN_PYTHON = r'''#!/usr/bin/env bash
 # python for setup_npu.sh: answers its -c checks, logs each pip install, and fails one the way
-# pip would on the node the test describes (the PyPI facts in setup_npu.sh's comments)
+# pip would on the node the test describes (the PyPI facts in setup_npu.sh's comments). $PKGS
+# holds the distributions that ship the `triton` package: vllm-ascend brings triton-ascend, and
+# on x86 its xgrammar upstream triton too (xgrammar's pyproject.toml); $STUBBORN: triton-ascend's
+# install brings upstream triton back
 if [ "$1" = -c ]; then
-  case "$2" in *importlib.metadata*) exit 1 ;; esac  # nothing installed yet
+  case "$2" in
+    *triton/__init__.py*) sort -u "$PKGS" 2>/dev/null | paste -sd' '; exit 0 ;;
+    *importlib.metadata*) [ -n "${INSTALLED:-}" ] && echo "$INSTALLED" && exit 0; exit 1 ;;
+  esac
   exit 0
+fi
+if [ "$3" = uninstall ]; then  # -m pip uninstall -y NAME ...
+  shift 4; echo "$*" >>"$LOG.uninstall"
+  for name in "$@"; do sed -i "/^$name\$/d" "$PKGS" 2>/dev/null; done; exit 0
 fi
 shift 3  # -m pip install
 echo "VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-} $*" >>"$LOG"
+case " $* " in *" vllm-ascend==0.23.0 "*)
+  echo triton-ascend >>"$PKGS"; [ "$(uname -m)" = x86_64 ] && echo triton >>"$PKGS" ;;
+esac
+case " $* " in *" triton-ascend==3.2.2 "*)
+  echo triton-ascend >>"$PKGS"; [ -n "${STUBBORN:-}" ] && echo triton >>"$PKGS" ;;
+esac
 if [ "$(uname -m)" = x86_64 ] && [[ " $* " != *" --extra-index-url https://download.pytorch.org/whl/cpu/ "* ]]; then
   echo "pip: torchvision==0.25.0 from PyPI is the CUDA build" >&2; exit 1
 fi
@@ -588,10 +618,10 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     if clone:
         (src / "vllm").mkdir(parents=True)
         (src / "vllm" / ".tag").write_text(clone + "\n")
-    log = tmp_path / "pip.log"
+    log, pkgs = tmp_path / "pip.log", tmp_path / "triton_owners"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python"), "SRC": str(src),
            "ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest", "LOG": str(log),
-           "HOME": str(tmp_path)}
+           "HOME": str(tmp_path), "PKGS": str(pkgs)}
     out = subprocess.run(["bash", "scripts/setup_npu.sh"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     lines = log.read_text().splitlines() if log.exists() else []
@@ -608,8 +638,40 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     requirements = lines[build - 1].split()
     assert "setuptools-rust>=1.9.0" in requirements
     assert not any(x.startswith("torch") for x in requirements)  # the installed 2.10 builds it
-    assert [x.split()[-1] for x in lines[build + 1:]] == ["vllm-ascend==0.23.0",
-                                                           "requirements-npu.txt"]
+    # one `triton` package, triton-ascend's, installed last where xgrammar had brought another
+    x86 = machine == "x86_64"
+    assert [x.split()[-1] for x in lines[build + 1:]] == [
+        "vllm-ascend==0.23.0", "requirements-npu.txt", *["triton-ascend==3.2.2"] * x86]
+    uninstalled = tmp_path / "pip.log.uninstall"
+    assert (uninstalled.read_text() if uninstalled.exists() else "") == (
+        "triton triton-ascend\n" if x86 else "")
+    assert pkgs.read_text().split() == ["triton-ascend"]
+
+
+def test_setup_npu_stops_when_triton_ascend_is_not_the_one_triton(tmp_path):
+    """In vLLM-Ascend's image (vllm-ascend installed), a second `triton` beside triton-ascend is
+    removed and triton-ascend reinstalled; if upstream triton still ships the package after
+    that, the script stops with the fix instead of leaving the two."""
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", STAND_IN_PYTHON), ("uname", "#!/usr/bin/env bash\necho x86_64\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    pkgs = tmp_path / "triton_owners"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python"),
+           "ASCEND_TOOLKIT_HOME": "/opt/cann", "LOG": str(tmp_path / "pip.log"),
+           "HOME": str(tmp_path), "PKGS": str(pkgs), "INSTALLED": "0.23.0"}
+    for stubborn, rc in (("", 0), ("1", 1)):
+        pkgs.write_text("triton\ntriton-ascend\n")
+        out = subprocess.run(["bash", "scripts/setup_npu.sh"], cwd=ROOT, capture_output=True,
+                             text=True, env={**env, "STUBBORN": stubborn})
+        assert out.returncode == rc, out.stderr
+        if rc:
+            assert "comes from 'triton triton-ascend', not triton-ascend alone" in out.stderr
+        else:
+            assert pkgs.read_text().split() == ["triton-ascend"]
 
 
 @pytest.mark.parametrize("name, value, ok", [
@@ -617,13 +679,15 @@ def test_setup_npu_installs_with_one_index_and_builds_vllm_from_its_tag(tmp_path
     ("HCCL_CONNECT_TIMEOUT", "7201", False), ("HCCL_CONNECT_TIMEOUT", "600s", False),
     ("HCCL_BUFFSIZE", "1", True), ("HCCL_BUFFSIZE", "0", False), ("HCCL_BUFFSIZE", "2e2", False),
     ("HCCL_IF_BASE_PORT", "50000", True), ("HCCL_IF_BASE_PORT", "1023", False),
-    ("HCCL_IF_BASE_PORT", "65521", False), ("HCCL_EXEC_TIMEOUT", "0.05", True),
-    ("HCCL_EXEC_TIMEOUT", "-1", False), ("HCCL_EXEC_TIMEOUT", "long", False)])
+    ("HCCL_IF_BASE_PORT", "65521", False), ("HCCL_EXEC_TIMEOUT", "600", True),
+    ("HCCL_EXEC_TIMEOUT", "0.05", False), ("HCCL_EXEC_TIMEOUT", "-1", False),
+    ("HCCL_EXEC_TIMEOUT", "long", False)])
 def test_hccl_settings_out_of_cann_s_ranges_stop_the_run_before_any_process_group(
         name, value, ok):
     """CANN 9.1.0's variable reference: HCCL_CONNECT_TIMEOUT whole seconds in [120, 7200],
-    HCCL_BUFFSIZE whole MB >= 1, HCCL_IF_BASE_PORT in [1024, 65520], HCCL_EXEC_TIMEOUT seconds
-    >= 0 (tens of ms allowed). Out of range: one error naming the variable, its value and range."""
+    HCCL_BUFFSIZE whole MB >= 1, HCCL_IF_BASE_PORT in [1024, 65520], HCCL_EXEC_TIMEOUT whole
+    seconds >= 0 (torch-npu reads no fraction). Out of range: one error naming the variable, its
+    value and range."""
     env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb", name: value}
     versions = {"vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch-npu": "2.10.0.post4"}
     if ok:
@@ -631,6 +695,38 @@ def test_hccl_settings_out_of_cann_s_ranges_stop_the_run_before_any_process_grou
         return
     with pytest.raises(ValueError, match=f"{name}={value!r}"):
         ascend_checks.check_ascend(env, versions)
+
+
+def torch_npu_exec_timeout(value: str) -> int:
+    """torch-npu v26.1.0-pytorch2.10.0's OptionsManager::GetHCCLExecTimeout
+    (torch_npu/csrc/core/npu/register/OptionsManager.cpp:180-194): strtol(value, nullptr, 10),
+    the leading integer (0 where there is none), and -1 (the default) below 0. Its watchdog and
+    ProcessGroupHCCL read 0 as "never time out" (ProcessGroupHCCL.cpp)."""
+    import re
+
+    found = re.match(r"\s*([+-]?\d+)", value)
+    n = int(found.group(1)) if found else 0
+    return -1 if n < 0 else n
+
+
+@pytest.mark.parametrize("value", ["0", "600", " 1091", "0.5", "0.05", "2.9", "1e3", "600s",
+                                   "-1", "-0.5", "long", ""])
+def test_hccl_exec_timeout_is_accepted_only_where_torch_npu_reads_what_was_written(value):
+    """A fractional HCCL_EXEC_TIMEOUT ("0.5": meant as half a second) reads as 0 in torch-npu,
+    which means never: refused with one line before any process group forms; every value the
+    check lets through is read back as the number written."""
+    try:
+        meant = float(value)
+    except ValueError:
+        meant = None
+    faithful = meant is not None and meant >= 0 and torch_npu_exec_timeout(value) == meant
+    env = {"VLLM_ASCEND_ENABLE_NZ": "0", "ATB_HOME_PATH": "/atb", "HCCL_EXEC_TIMEOUT": value}
+    if faithful:
+        ascend_checks.check_ascend(env, DOCUMENTED)
+        return
+    with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={value!r} \\(whole seconds") as e:
+        ascend_checks.check_ascend(env, DOCUMENTED)
+    assert "\n" not in str(e.value).split("\n  ", 1)[1]  # one line under the heading
 
 
 def test_hccl_summary_and_the_aiv_cap():
@@ -701,3 +797,285 @@ def test_npu_check_fails_on_a_cann_error_line(tmp_path, line, fails):
                                          "PYTHON": sys.executable})
     assert out.returncode == (1 if fails else 0), out.stdout + out.stderr
     assert f"runtime error lines: {{'tiny': {int(fails)}}}" in out.stdout, out.stdout
+
+
+def vllm_ascend_attention(query: torch.Tensor) -> None:
+    """vLLM-Ascend 0.23's attention (attention/attention_v1.py:1234-1320) hands the query to
+    npu_fused_infer_attention_score or _npu_paged_attention, with no other path; op-plugin
+    26.1.0's doc of the first (torch_npu-npu_fused_infer_attention_score.md:116): the query is
+    float16 or bfloat16."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"npu_fused_infer_attention_score: query dtype {query.dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_an_engine_dtype_the_npu_s_attention_cannot_take_is_refused_at_config_time(
+        monkeypatch, dtype):
+    """rollout.dtype on an NPU (device stubbed): refused with one line naming the fix exactly
+    where vLLM-Ascend's attention would fail in the engine's first profile run; accepted on CPU
+    whatever it is (fp32 keeps the CPU engine exact)."""
+    import train_grpo
+
+    cfg = train_grpo.resolve(train_grpo.load_config("configs/tiny_cpu.yaml",
+                                                    [f"--rollout.dtype={dtype}"]))
+    cfg.rollout.check(cfg, 1)  # CPU
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    try:
+        vllm_ascend_attention(torch.zeros(1, dtype=getattr(torch, dtype)))
+    except RuntimeError:
+        with pytest.raises(ValueError, match=rf"rollout.dtype={dtype} on an Ascend NPU: .* Fix: "
+                           "--rollout.dtype=bfloat16 --model.param_dtype=bfloat16$"):
+            cfg.rollout.check(cfg, 1)
+        return
+    cfg.rollout.check(cfg, 1)
+
+
+STAND_IN_TRAINER = r'''#!/usr/bin/env bash
+# python for gpu_check.sh: train_grpo.py's arguments to $LOG (no run); the summary, as python
+if [ "$1" = train_grpo.py ]; then shift; printf '%s\n' "$@" >"$LOG"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+'''
+
+
+@pytest.mark.parametrize("script", ["npu_check.sh", "gpu_check.sh"])
+def test_the_device_check_runs_the_tiny_task_in_a_dtype_the_engine_takes(tmp_path, monkeypatch,
+                                                                         script):
+    """The tiny part of scripts/npu_check.sh (gpu_check.sh's, with the NPU's settings) runs
+    configs/tiny_cpu.yaml, whose engine is fp32, with overrides to a dtype vLLM-Ascend's
+    attention takes (the config check on an NPU, stubbed, accepts the config it runs);
+    gpu_check.sh keeps the config's fp32. tests/test_device.py's tiny runs take the same
+    overrides (DTYPE_ARGS)."""
+    import subprocess
+
+    import train_grpo
+
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_TRAINER)
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_DTYPE"}
+    subprocess.run(["bash", f"scripts/{script}"], cwd=ROOT, capture_output=True, text=True,
+                   env={**env, "OUT": str(tmp_path / "out"), "PARTS": "tiny", "PYTHON": str(python),
+                        "REAL_PYTHON": sys.executable, "LOG": str(tmp_path / "args")})
+    args = (tmp_path / "args").read_text().split()
+    cfg = train_grpo.resolve(train_grpo.load_config(args[1], args[2:]))
+    assert args[:2] == ["--config", "configs/tiny_cpu.yaml"]
+    if script == "gpu_check.sh":
+        assert cfg.rollout.dtype == cfg.model.param_dtype == "float32"
+        return
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    cfg.rollout.check(cfg, 1)
+    assert cfg.rollout.dtype == cfg.model.param_dtype == npu_ops.engine_dtypes()[0]
+
+
+def cann_documents_aiv(nodes: int, cards_per_node: int, parallel_communicators: bool) -> bool:
+    """CANN 8.5.0's reference of HCCL_OP_EXPANSION_MODE (environment variables, envref_07_0096),
+    Atlas A2's AIV row: inference on symmetric networks; "does not support several
+    communicators in parallel" (unpredictable behaviour); Broadcast in "single-node scenarios
+    within 8 cards" only, and the trainer broadcasts rank 0's checkpoint over its whole world
+    (fsdp_utils.build_actor)."""
+    return nodes == 1 and cards_per_node <= 8 and not parallel_communicators
+
+
+@pytest.mark.parametrize("sp_size", [1, 2])
+@pytest.mark.parametrize("world, local", [(None, None), (8, 8), (2, 2), (16, 8), (16, 16),
+                                          (4, None)])
+def test_aiv_expansion_only_where_cann_documents_it(monkeypatch, sp_size, world, local):
+    """The AIV default (set at import, before the config) stays only for one node of at most 8
+    cards and no sequence parallelism, whose all-to-all runs on its own communicator beside
+    FSDP2's all-gather; elsewhere it is taken back and the start-up log says why. A launch that
+    does not say which ranks share a node (no LOCAL_WORLD_SIZE) gets no AIV. A user's AIV is
+    kept, and the log says where CANN does not document it."""
+    monkeypatch.setattr(npu_ops, "npu_installed", lambda: True)
+    monkeypatch.setattr(npu_ops, "_OURS", {"HCCL_OP_EXPANSION_MODE": "AIV"})
+    for name in npu_ops.ASCEND_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")  # as npu_ops set it at import
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    known = world is None or local is not None
+    documented = known and cann_documents_aiv(
+        -(-(world or 1) // (local or 1)), local or 1, parallel_communicators=sp_size > 1)
+    report = npu_ops.setup_env(sp_size=sp_size)
+    assert (os.environ.get("HCCL_OP_EXPANSION_MODE") == "AIV") == documented
+    value, source = report["HCCL_OP_EXPANSION_MODE"]
+    assert (value, source) == ("AIV", "default") if documented else (
+        value == "unset" and source.startswith("HCCL decides; not AIV: "))
+    assert ("HCCL_OP_EXPANSION_MODE" in npu_ops.ascend_env_defaults(sp_size=sp_size)) == documented
+    if not documented:  # the user's own AIV wins, said to be outside CANN's documented scope
+        monkeypatch.setattr(npu_ops, "_OURS", {})
+        monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")
+        value, source = npu_ops.setup_env(sp_size=sp_size)["HCCL_OP_EXPANSION_MODE"]
+        assert value == "AIV" and source.startswith("user, kept; not AIV by default: ")
+        assert os.environ["HCCL_OP_EXPANSION_MODE"] == "AIV"
+
+
+def test_no_aiv_is_set_at_import_on_several_nodes(tmp_path):
+    """Under torchrun on two nodes the import-time defaults (before torch_npu loads) leave the
+    expansion mode alone: the stand-in torch_npu finds none set."""
+    seen, _ = run_with_standin(tmp_path, "import train_grpo",
+                               {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+    assert seen["HCCL_OP_EXPANSION_MODE"] is None and seen["TASK_QUEUE_ENABLE"] == "2"
+    seen, _ = run_with_standin(tmp_path, "import train_grpo",
+                               {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
+    assert seen["HCCL_OP_EXPANSION_MODE"] == "AIV"
+
+
+class StandInNpuProfiler:
+    """torch_npu.profiler as v26.1.0-pytorch2.10.0 defines it (torch_npu/profiler/profiler.py):
+    `profile` takes torch's arguments with its own ProfilerActivity and trace handler, and has
+    start, stop, step, export_chrome_trace, export_stacks, ... but no key_averages (its
+    _KinetoProfile has none)."""
+
+    class ProfilerActivity:
+        CPU, NPU = "CPU", "NPU"
+
+    @staticmethod
+    def tensorboard_trace_handler(dir_name, worker_name=None):
+        return lambda prof: None
+
+    class profile:
+        def __init__(self, activities=None, on_trace_ready=None, **kwargs):
+            self.activities, self.on_trace_ready = activities, on_trace_ready
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, output_path):
+            pass
+
+
+def test_the_bench_s_profile_runs_where_the_device_profiler_has_no_key_averages(monkeypatch,
+                                                                                tmp_path):
+    """bench/train_step.py --profile on an NPU (device stubbed, torch_npu's profiler a
+    stand-in without key_averages): bench/common.profiled counts the host side (ops, host
+    reads) from torch's own profiler and says it saw no device time; a trace still goes
+    through torch_npu's profiler."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    from common import profiled
+
+    fake = StandInDeviceModule()
+    fake.synchronize = lambda: None
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    monkeypatch.setattr(npu_ops, "STAND_IN", types.SimpleNamespace(profiler=StandInNpuProfiler))
+    counts = profiled(lambda: torch.ones(4).sum().item(), str(tmp_path / "profile.txt"))
+    assert counts["host_reads"] == 1 and counts["aten_ops"] >= 2, counts
+    assert counts["device_busy_s"] is None
+    assert "aten::_local_scalar_dense" in (tmp_path / "profile.txt").read_text()
+    traced = npu_ops.profiler(str(tmp_path / "trace"), "rank0")
+    assert isinstance(traced, StandInNpuProfiler.profile)
+    assert traced.activities == ["CPU", "NPU"]
+
+
+def test_the_moe_config_says_what_fused_kernels_auto_does_to_its_model(monkeypatch):
+    """configs/qwen3-30b-a3b-gsm8k-npu16.yaml's comment on model.fused_kernels against what
+    `auto` does to a qwen3_moe model on an NPU (device stubbed): nothing is patched (its family
+    has no fused kernels), so the comment names none of the norms, rotary or MLP as fused."""
+    import re
+
+    import fsdp_utils
+
+    text = open(os.path.join(ROOT, "configs", "qwen3-30b-a3b-gsm8k-npu16.yaml")).read()
+    block = re.search(r"^  fused_kernels: auto(.*\n(?: {32}#.*\n)*)", text, re.M).group(1)
+    comment = " ".join(part.strip(" #\n") for part in block.split("\n"))
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    standin = npu_ops.STAND_IN = StandInTorchNpu()
+    try:
+        model = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_moe")
+        report = fsdp_utils.patch_kernels(model, "auto")
+    finally:
+        npu_ops.STAND_IN = None
+    assert report[0].startswith("none (fused kernels are not written for model_type "
+                                "'qwen3_moe'")
+    model(input_ids=torch.randint(0, 15, (1, 5)))
+    assert standin.calls == {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
+    assert comment.startswith("none for qwen3_moe") and "norm" not in comment, comment
+
+
+def yarn_qwen3(factor: float = 4.0):
+    """The tiny Qwen3 with YaRN rope scaling (transformers' _compute_yarn_parameters: cos and
+    sin times an attention factor of 0.1 ln(factor) + 1)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=15, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "factor": factor, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16}))
+
+
+def test_rope_scaling_past_the_rotary_kernel_s_range_takes_the_reference(restore_rotary):
+    """npu_rotary_mul takes cos and sin in [-1, 1]; a YaRN model's are scaled by ~1.14: the
+    fused path leaves its rotary embedding to the plain-torch reference (the norms and MLP
+    stay fused), says so, and equals transformers."""
+    model = yarn_qwen3()
+    ids = torch.randint(0, 15, (2, 9))
+    want_logits, want_grads = forward_backward(model, ids)
+    patched, standin = copy.deepcopy(model), StandInTorchNpu()
+    npu_ops.STAND_IN = standin
+    report = kernels.patch_qwen(patched, "fused")
+    got_logits, got_grads = forward_backward(patched, ids)
+    assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, atol=1e-6, rtol=1e-4), name
+    assert standin.calls["npu_rotary_mul"] == 0 and standin.calls["npu_swiglu"] == 2
+    assert report[2].endswith("-> rotary_reference (the model's rope_scaling scales cos and sin "
+                              "by 1.139, and npu_rotary_mul takes them in [-1, 1] (op-plugin "
+                              "26.1.0))"), report
+
+
+def vllm_ascend_built_for(monkeypatch, chip: str) -> None:
+    """A stand-in vllm_ascend whose _build_info says which chip it was built for (what
+    npu_ops.ascend_soc reads; npu_ops.check_device refuses any other chip before the engine)."""
+    import types
+
+    pkg, info = types.ModuleType("vllm_ascend"), types.ModuleType("vllm_ascend._build_info")
+    info.__device_type__ = chip
+    pkg._build_info = info
+    monkeypatch.setitem(sys.modules, "vllm_ascend", pkg)
+    monkeypatch.setitem(sys.modules, "vllm_ascend._build_info", info)
+
+
+@pytest.mark.parametrize("chip", ["A2", "A3"])
+def test_kernels_the_docs_do_not_list_for_the_chip_are_not_taken(monkeypatch, restore_rotary,
+                                                                 caplog, chip):
+    """op-plugin 26.1.0 lists npu_swiglu for A2 and npu_fusion_attention for A2 and the 950
+    only: on an A3 (device stubbed, a stand-in torch_npu that refuses a kernel off its listed
+    chips) the MLP takes its plain-torch reference and model.attn_implementation=auto gives
+    sdpa, both said in the log; asking for npu_fusion there is one line naming the fix."""
+    vllm_ascend_built_for(monkeypatch, chip)
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    model = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3")
+    ids = torch.randint(0, 15, (2, 9))
+    want_logits, _ = forward_backward(model, ids)
+    patched, standin = copy.deepcopy(model), StandInTorchNpu(chip)
+    npu_ops.STAND_IN = standin
+    report = kernels.patch_qwen(patched, "fused")
+    got_logits, _ = forward_backward(patched, ids)
+    assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert standin.calls["npu_rms_norm"] > 0 and standin.calls["npu_rotary_mul"] > 0
+    if chip == "A2":
+        assert standin.calls["npu_swiglu"] == 2 and report[1].endswith("swiglu_mlp_fused")
+        assert npu_ops.attention_implementation("auto") == npu_ops.FUSION_ATTENTION
+        assert npu_ops.attention_implementation("npu_fusion") == npu_ops.FUSION_ATTENTION
+        return
+    assert standin.calls["npu_swiglu"] == 0
+    assert report[1].endswith("-> swiglu_mlp_reference (npu_swiglu is documented for A2 only, "
+                              "not A3 (op-plugin 26.1.0))"), report
+    npu_ops._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="grpo"):
+        assert npu_ops.attention_implementation("auto") == "sdpa"
+    assert ("model.attn_implementation=auto: sdpa, not npu_fusion: npu_fusion_attention is "
+            "documented for A2/A5 only, not A3") in caplog.text
+    with pytest.raises(ValueError, match=r"^model.attn_implementation=npu_fusion: "
+                       "npu_fusion_attention is documented for A2/A5 only, not A3 .* Fix: "):
+        npu_ops.attention_implementation("npu_fusion")

@@ -121,7 +121,8 @@ def engine_with(fake):
 
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
     engine.cfg, engine.can_sleep, engine.llm = RolloutConfig(), True, fake
-    engine.kv_cache_awake, engine.weights_awake, engine.memory = True, True, {}
+    engine.kv_cache_awake, engine.weights_awake = True, True
+    engine.memory = rollout.EngineMemory()
     engine.lora = engine.adapter = engine.adapter_dir = None
     return engine
 
@@ -184,6 +185,79 @@ def test_a_wake_without_room_is_a_python_error_before_the_engine_maps(monkeypatc
     assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
 
 
+class AscendExtraCleanup(FakeLLM):
+    """vLLM-Ascend 0.23's NPUWorker with enable_sleep_mode_extra_cleanup, on a pretend device
+    (`device["used"]` GiB of `device["total"]`). sleep (worker/worker.py:216-233): the extra
+    cleanup first (device_allocator/sleep_mem_optimized.py, HcclSleepWakeupManager.sleep:
+    HCCL's communicators destroyed, their buffers freed), then the allocator unmaps its whole
+    table (camem.py sleep). wake_up (worker.py:240-280): the allocator maps the tags'
+    allocations (aclrtMallocPhysical, which throws from C++ when the device is full: the
+    process ends), then the extra cleanup's wakeup restores HCCL's communicators at the first
+    wake after a sleep, whatever its tags (restore_hccl: a no-op once restored)."""
+
+    def __init__(self, device: dict, table: dict, hccl_gb: float):
+        super().__init__()
+        self.device, self.table, self.hccl_gb, self.hccl_up = device, table, hccl_gb, True
+
+    def allocate(self, gb: float, what: str) -> None:
+        if self.device["used"] + gb > self.device["total"]:
+            raise SystemExit(f"terminate called: {what} ({gb} GiB) on a full device")
+        self.device["used"] += gb
+
+    def sleep(self, level):
+        super().sleep(level)
+        self.device["used"] -= self.hccl_gb + sum(d.handle[1] for d in self.table.values()) / 2**30
+        self.hccl_up = False
+
+    def wake_up(self, tags):
+        self.allocate(sum(d.handle[1] for d in self.table.values() if d.tag in tags) / 2**30,
+                      "aclrtMallocPhysical")
+        if not self.hccl_up:
+            self.allocate(self.hccl_gb, "HCCL's buffers")
+            self.hccl_up = True
+        super().wake_up(tags)
+
+
+@pytest.mark.engine
+def test_the_wake_room_counts_what_the_extra_cleanup_allocates_again(monkeypatch):
+    """With rollout.sleep_extra_cleanup, vLLM-Ascend's sleep also frees HCCL's buffers, outside
+    the sleep allocator's table, and its first wake after allocates them again: the room check
+    counts them (measured at the sleep as what it freed beyond the table), so a wake short of
+    them is a MemoryError before vLLM maps anything, not a process ended in C++."""
+    import types
+
+    import npu_ops
+    import rollout
+
+    GiB = 2**30
+    table = {i: types.SimpleNamespace(handle=(0, size, i), tag=tag) for i, (size, tag) in
+             enumerate([(6 * GiB, "weights"), (3 * GiB, "kv_cache")])}
+    device = {"used": 5.0 + 9.0 + 1.5, "total": 16.0}  # the trainer's 5, the engine's 9 + 1.5
+    monkeypatch.setattr(rollout, "_sleep_allocator",
+                        lambda: types.SimpleNamespace(pointer_to_data=table))
+    monkeypatch.setattr(npu_ops, "device_memory_used_gb", lambda: device["used"])
+    monkeypatch.setattr(npu_ops, "device_free_gb", lambda: device["total"] - device["used"])
+    monkeypatch.setattr(npu_ops, "release_cached_memory", lambda: None)
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    fake = AscendExtraCleanup(device, table, hccl_gb=1.5)
+    engine = engine_with(fake)
+    engine.memory = rollout.EngineMemory(npu_ops.sleep_rebuilds(True))
+    engine.sleep()
+    device["used"] += 4.0  # the update's activations: 1 GiB free beyond the weights' 6
+    with pytest.raises(MemoryError, match=r"engine wake \(weights\): it maps back 6.00 GiB and "
+                       r"rebuilds 1.50 GiB that rollout.sleep_extra_cleanup freed .* but 7.00 "
+                       "GiB of device memory is free"):
+        engine.wake(["weights"])
+    assert fake.calls == [("sleep", 2)]  # vLLM was asked nothing
+    device["used"] -= 0.5  # exactly the room
+    engine.wake(["weights"])
+    assert engine.memory.rebuilt_gb == 0.0  # all back at the first wake
+    device["used"] -= 5.5  # the actor's shards to host memory
+    engine.wake(["kv_cache"])  # 3 GiB, and nothing else to rebuild
+    assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+    assert not npu_ops.sleep_rebuilds(False)
+
+
 @pytest.mark.engine
 def test_with_adapters_the_engine_sleeps_its_kv_cache_only_where_vllm_can():
     """With LoRA the base stays loaded: where vLLM has release_kv_cache_memory (0.32) the sleep
@@ -228,8 +302,8 @@ def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
     assert [c for c in fake.calls if c[0] != "collective_rpc" and c[0] != "reset_prefix_cache"] == [
         ("sleep", 2), ("release",), ("wake_up", ("weights",)), ("release",),
         ("wake_up", ("kv_cache",))]
-    assert engine.memory == {"sleep": (0.0, 1.0), "wake_weights": (2.0, 3.0),
-                             "wake_kv_cache": (4.0, 5.0)}
+    assert engine.memory.events == {"sleep": (0.0, 1.0), "wake_weights": (2.0, 3.0),
+                                    "wake_kv_cache": (4.0, 5.0)}
 
 
 @pytest.mark.engine

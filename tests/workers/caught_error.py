@@ -4,7 +4,8 @@ engine's generation, caught; then two more steps. Writes the last step's metrics
 parameters to OUT.json / OUT.pt, for a comparison with MODE none (the error never happened).
 CONFIG: tiny (configs/tiny_cpu.yaml) or multiturn (configs/multiturn_cpu.yaml, whose environment
 is the interrupting one).
-Usage: python tests/workers/caught_error.py CONFIG MODE TASK_DIR OUT_DIR OUT"""
+Usage: python tests/workers/caught_error.py CONFIG MODE TASK_DIR OUT_DIR OUT [OVERRIDE ...]
+(--section.key=value overrides after OUT: the device tests' engine dtype)"""
 
 import json
 import sys
@@ -16,7 +17,8 @@ config, mode, task_dir, out_dir, out = sys.argv[1:6]
 spec = "tests/workers/interrupting.py"
 args = [f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}", "--log.eval_every=0",
         "--grpo.prompts_per_step=8", "--model.offload=on", "--grpo.kl_coef=0.05",
-        "--rollout.seed_per_step=true", f"--reward.funcs={spec}:reward", "--reward.timeout_s=0"]
+        "--rollout.seed_per_step=true", f"--reward.funcs={spec}:reward", "--reward.timeout_s=0",
+        *sys.argv[6:]]
 if config == "multiturn":
     args += [f"--env.name={spec}:env", "--env.timeout_s=0"]
 plugin = sys.modules[plugins.resolve(f"{spec}:reward", "test", {}, "").__module__]
