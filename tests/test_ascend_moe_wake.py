@@ -167,7 +167,8 @@ def checkpoint(seed: int) -> dict:
 def engine_on(llm, level=2):
     engine = object.__new__(rollout.Engine)  # skip building a real LLM
     engine.cfg, engine.can_sleep, engine.llm = rollout.RolloutConfig(sleep_level=level), True, llm
-    engine.kv_cache_awake, engine.weights_awake, engine.memory = True, True, {}
+    engine.kv_cache_awake, engine.weights_awake = True, True
+    engine.memory = rollout.EngineMemory()
     engine.lora = engine.adapter = engine.adapter_dir = None
     return engine
 
