@@ -91,8 +91,9 @@ class GRPOConfig:
     #   current policy's KL without bias (DeepSeek-V3.2, arXiv 2512.02556)
     kl_unbiased: Annotated[bool, FLAG] = False
     # engine/trainer mismatch correction (mismatch_weights): per token tis (truncate) or
-    #   token_mask; per sequence seq_truncate, seq_mask (its ratio), seq_geo_mask (the
-    #   geometric mean of its tokens' ratios)
+    #   token_mask (IcePop); per sequence seq_truncate, seq_mask (its ratio: masked importance
+    #   sampling), seq_geo_mask (the geometric mean of its tokens' ratios: verl's geometric
+    #   level); a mask keeps the ratio as the weight inside its band, 0 outside
     is_correction: Annotated[str, OneOf(*IS_MODES)] = "tis"
     # C: the upper bound of the weight or the band; the masks keep ratios in [C_low, C]
     is_cap: Annotated[float, Range(1, lo_open=True)] = 2.0
@@ -267,13 +268,15 @@ def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float,
     - none: 1;
     - tis: the token's ratio clamped to [lo, C]: truncated importance sampling (Yao et al. 2025,
       "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
-    - token_mask: 1 for a token whose ratio lies in [lo, C], else 0 (IcePop's two-sided mask);
+    - token_mask: the token's ratio where it lies in [lo, C], else 0: IcePop's M(k) = k on
+      [alpha, beta] (Ring-1T, arXiv 2510.18855), TRL 1.16's token_mask (lo = 0);
     - seq_truncate: the sequence's ratio (product over its tokens) clamped to [lo, C], for each
       of its tokens;
-    - seq_mask: 1 for a sequence whose ratio lies in [lo, C], else 0: masked importance sampling
-      (Liu et al. 2025, "When Speed Kills Stability");
+    - seq_mask: the sequence's ratio where it lies in [lo, C], else 0, for each of its tokens:
+      masked importance sampling (Liu et al. 2025, "When Speed Kills Stability"; TRL 1.16's
+      sequence_mask, lo = 0);
     - seq_geo_mask: the same with the geometric mean of its tokens' ratios (verl's geometric
-      rejection), which does not shrink with the sequence's length.
+      level), which does not shrink with the sequence's length.
     Detached: the weights scale the gradient, they do not get one."""
     log_ratio = ((old_logp - engine_logp) * mask).detach()
     if mode == "none":
@@ -281,15 +284,18 @@ def mismatch_weights(old_logp, engine_logp, mask, mode: str, cap: float,
     lo = cap_low if cap_low > 0 or mode not in ("seq_mask", "seq_geo_mask") else 1 / cap
     if mode in ("tis", "token_mask"):
         ratio = log_ratio.exp()
-        inside = (ratio >= lo) & (ratio <= cap)
-        return ratio.clamp(lo, cap) if mode == "tis" else inside.to(ratio.dtype)
+        return ratio.clamp(lo, cap) if mode == "tis" else masked(ratio, lo, cap)
     seq = log_ratio.sum(1)
     if mode == "seq_geo_mask":
         seq = seq / mask.sum(1).clamp(min=1)
     ratio = seq.exp()
-    weight = (ratio.clamp(lo, cap) if mode == "seq_truncate"
-              else ((ratio >= lo) & (ratio <= cap)).to(ratio.dtype))
+    weight = ratio.clamp(lo, cap) if mode == "seq_truncate" else masked(ratio, lo, cap)
     return weight.unsqueeze(1).expand_as(log_ratio)
+
+
+def masked(ratio, lo: float, cap: float):
+    """The ratio where it lies in [lo, cap], else 0: the masks' weight."""
+    return ratio * ((ratio >= lo) & (ratio <= cap)).to(ratio.dtype)
 
 
 def loss_weights(mask, cfg: GRPOConfig, n_tokens: float, n_seqs: float, max_len: int):

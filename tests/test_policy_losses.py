@@ -194,8 +194,9 @@ def test_unbiased_kl_against_its_loop(estimator):
 def test_every_importance_sampling_mode_against_its_loop(cap_low):
     """grpo.mismatch_weights for each grpo.is_correction mode, against a loop over sequences and
     tokens: ratio = exp(old - engine) per token, a sequence's the product (seq_geo_mask: the
-    geometric mean); truncate clamps to [lo, C], masks keep [lo, C]; lo = cap_low, or where it is
-    0: nothing for the token modes and seq_truncate, 1/C for seq_mask and seq_geo_mask."""
+    geometric mean); truncate clamps to [lo, C], masks keep the ratio inside [lo, C] and give 0
+    outside; lo = cap_low, or where it is 0: nothing for the token modes and seq_truncate, 1/C
+    for seq_mask and seq_geo_mask."""
     g = torch.Generator().manual_seed(4)
     engine = torch.randn(6, 6, generator=g, dtype=torch.float64) - 1
     old = engine + torch.randn(6, 6, generator=g, dtype=torch.float64) * 0.4
@@ -215,12 +216,14 @@ def test_every_importance_sampling_mode_against_its_loop(cap_low):
             if mode == "seq_geo_mask":
                 seq = seq ** (1 / len(toks))
             for t, r in zip(toks, ratios):
-                want = {"tis": min(max(r, lo), cap), "token_mask": float(lo <= r <= cap),
+                # the masks keep the ratio inside the band (IcePop's M(k) = k on [alpha, beta];
+                # TRL 1.16: ratio.masked_fill(ratio > cap, 0)), 0 outside
+                want = {"tis": min(max(r, lo), cap), "token_mask": r * (lo <= r <= cap),
                         "seq_truncate": min(max(seq, lo), cap),
-                        "seq_mask": float(lo <= seq <= cap),
-                        "seq_geo_mask": float(lo <= seq <= cap)}[mode]
-                assert abs(got[i, t].item() - want) < 1e-12, (mode, i, t)
-                kinds.add(want if mode.endswith("mask")
+                        "seq_mask": seq * (lo <= seq <= cap),
+                        "seq_geo_mask": seq * (lo <= seq <= cap)}[mode]
+                assert abs(got[i, t].item() - want) <= 1e-12 * max(1.0, want), (mode, i, t)
+                kinds.add(want == 0 if mode.endswith("mask")
                           else (want == cap, want == lo, lo < want < cap))
         assert len(kinds) > 1, (mode, kinds)  # the case reaches both sides of the band
 
