@@ -78,6 +78,10 @@ class GRPOConfig:
     #   1 + clip_high and detached, so every token keeps a gradient (MiniMax-M1, arXiv
     #   2506.13585); sapo, a smooth gate of the ratio instead of the clip (arXiv 2511.20347)
     policy_loss: Annotated[str, OneOf(*POLICY_LOSSES)] = "ppo"
+    # dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 4): with a negative advantage the
+    #   clipped surrogate is at least c x A, so a token whose ratio grew far past the clip
+    #   cannot move the loss without bound; 0: off, else c > 1 (the paper's 3). ppo and gspo
+    dual_clip: Annotated[float, Range(0)] = 0.0
     sapo_tau_pos: Annotated[float, Range(0, lo_open=True)] = 1.0  # SAPO's gate temperature, A > 0
     sapo_tau_neg: Annotated[float, Range(0, lo_open=True)] = 1.05  # and A <= 0 (the paper's)
     ppo_epochs: Annotated[int, Range(1)] = 1  # passes over each rollout
@@ -147,6 +151,14 @@ def validate(cfg: GRPOConfig) -> None:
                          "GSPO weighs whole sequences, that mode single tokens, and a sequence's "
                          "gradient would depend on how the weights spread over its tokens. Fix: "
                          "grpo.is_correction=seq_mask (or another seq_ mode, or none)")
+    if 0 < cfg.dual_clip <= 1:
+        raise ValueError(f"grpo.dual_clip={cfg.dual_clip}: the lower bound c x A of a negative "
+                         "advantage's surrogate needs c > 1 (below, it would cut tokens inside "
+                         "the clip range). Fix: grpo.dual_clip=3 (the paper's), or 0 (off)")
+    if cfg.dual_clip and cfg.policy_loss in ("cispo", "sapo"):
+        raise ValueError(f"grpo.dual_clip with grpo.policy_loss={cfg.policy_loss}: dual-clip "
+                         "bounds PPO's clipped surrogate, which that one does not use. Fix: "
+                         "grpo.dual_clip=0, or policy_loss ppo or gspo")
     if cfg.adv_std == "batch" and not cfg.scale_adv_by_std:
         raise ValueError("grpo.adv_std=batch with grpo.scale_adv_by_std=false: no std divides "
                          "the advantage. Fix: drop one of them")
@@ -364,6 +376,10 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
         unclipped = ratio * t.adv
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * t.adv
         surrogate, cut = torch.minimum(unclipped, clipped), unclipped > clipped
+        if cfg.dual_clip:  # A < 0: at least c A, a constant (dual-clip PPO)
+            floor = cfg.dual_clip * t.adv
+            low = (t.adv < 0) & (surrogate < floor)
+            surrogate, cut = torch.where(low, floor, surrogate), cut | low
     per_token = -surrogate * w * (1 if t.seq_keep is None else t.seq_keep)
     if t.ref is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, t.ref, cfg.kl_estimator)

@@ -51,6 +51,10 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, 
     else:
         bounded = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         surrogate, cut = torch.minimum(ratio * a, bounded * a), ratio * a > bounded * a
+        if getattr(cfg, "dual_clip", 0):  # dual-clip PPO (arXiv 1912.09729): A < 0, >= c A
+            low = (a < 0) & (surrogate < cfg.dual_clip * a)
+            surrogate, cut = torch.where(low, (cfg.dual_clip * a).expand_as(logp), surrogate), \
+                cut | low
     terms = -surrogate * is_weight
     if getattr(cfg, "off_policy_delta", 0) > 0:  # DeepSeek-V3.2: drop a negative-advantage
         #   response whose mean log(p_engine / p_current) exceeds delta, for each of its tokens

@@ -90,6 +90,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     policy = variant[8] if len(variant) > 8 else "ppo"  # POLICY_VARIANTS
     unbiased = len(variant) > 9 and variant[9]  # and the KL term's ratio
     delta = variant[10] if len(variant) > 10 else 0.0  # and the off-policy mask
+    dual = variant[11] if len(variant) > 11 else 0.0  # and dual-clip's lower bound
     torch.manual_seed(0)  # model_for perturbs the norms with the global generator
     model, samples = model_for(arch).to(dtype), varied_samples(2)
     if turns:
@@ -99,7 +100,8 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
                         # a geometric mean moves less than a product: a tighter band for it,
                         # so that some sequences leave it
                         is_cap=1.1 if mode == "seq_geo_mask" else 1.5,
-                        policy_loss=policy, kl_unbiased=unbiased, off_policy_delta=delta)
+                        policy_loss=policy, kl_unbiased=unbiased, off_policy_delta=delta,
+                        dual_clip=dual)
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
@@ -191,6 +193,8 @@ POLICY_VARIANTS = [
     # fused_and_unfused: the negative-advantage rows exceed a delta of 0.02)
     ("token_mean", 0.2, 0.2, 0.1, "k3", "tis", True, 1.0, "ppo", False, 0.02),
     ("seq_mean", 0.2, 0.2, 0.0, "k3", "none", False, 0.7, "cispo", False, 0.02),
+    # grpo.dual_clip: off-policy ratios above c = 1.05 with a negative advantage meet the bound
+    ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 1.0, "ppo", False, 0.0, 1.05),
 ]
 
 
@@ -212,9 +216,12 @@ def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_
         for name in grads:
             assert (fused[name] - unfused[name]).abs().max() < tol * top, name
         assert fused["clipped"] == unfused["clipped"]
-        if len(variant) > 10:  # the mask dropped rows: without it the loss differs
-            unmasked = fused_and_unfused(arch, variant[:10] + (0.0,), dtype, turns)[0]
+        if len(variant) > 10 and variant[10]:  # the mask dropped rows: without it the loss
+            unmasked = fused_and_unfused(arch, variant[:10] + (0.0,), dtype, turns)[0]  # differs
             assert abs(unmasked["loss"] - fused["loss"]) > 100 * tol * scale
+        if len(variant) > 11:  # dual-clip's bound took part: without it the loss differs
+            unbounded = fused_and_unfused(arch, variant[:11], dtype, turns)[0]
+            assert abs(unbounded["loss"] - fused["loss"]) > 100 * tol * scale
     if variant[8] in ("gspo", "cispo", "ppo") and not variant[6]:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
 

@@ -107,6 +107,46 @@ def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
                                 for cr, mr in zip(want_cut, mask.tolist())]
 
 
+@pytest.mark.parametrize("c", [1.2, 3.0])
+def test_dual_clip_against_its_paper_loop_in_fp64(c):
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 4): a token's term is PPO's
+    min(r A, clip(r, 1 - eps, 1 + eps) A), and for A < 0 at least c A: max(that, c A). Its
+    gradient is r A where the unclipped branch is the one taken, else 0 (the clip's and c A's
+    branches are constants in logp). Token mean, times the mismatch weight, negated."""
+    logp, old, _, weight, adv, mask = loss_case()
+    old = old - torch.tensor([0.0, 1.2, 0.0], dtype=torch.float64)[:, None]  # A < 0: r ~ 3.3
+    g = GRPOConfig(dual_clip=c, clip_low=0.2, clip_high=0.28, is_correction="tis")
+    grpo.validate(g)
+    n_tokens = 10.0
+    want, want_grad, lower = 0.0, torch.zeros_like(logp), 0
+    for i in range(3):
+        for t in range(5):
+            if not mask[i, t]:
+                continue
+            r, a, w = math.exp(logp[i, t] - old[i, t]), adv[i].item(), weight[i, t].item()
+            unclipped, clipped = r * a, min(max(r, 0.8), 1.28) * a
+            term = min(unclipped, clipped)
+            if a < 0 and c * a > term:
+                term, lower = c * a, lower + 1
+            want += -term * w / n_tokens
+            if term == unclipped:
+                want_grad[i, t] = -r * a * w / n_tokens
+    got, got_grad, got_cut = ours("ppo", logp, old, adv, mask, g, n_tokens, 3.0, 6, weight)
+    assert abs(got - want) < 1e-12
+    assert (got_grad - want_grad).abs().max() < 1e-12
+    assert lower > 0  # the case reaches the lower bound
+    assert got_cut[mask.bool()].tolist() == (want_grad[mask.bool()] == 0).tolist()
+
+
+def test_dual_clip_refusals():
+    for bad, match in (({"dual_clip": 1.0}, "needs c > 1"),
+                       ({"dual_clip": 3.0, "policy_loss": "cispo"}, "grpo.dual_clip=0"),
+                       ({"dual_clip": 3.0, "policy_loss": "sapo"}, "grpo.dual_clip=0")):
+        with pytest.raises(ValueError, match=match):
+            grpo.validate(GRPOConfig(**bad))
+    grpo.validate(GRPOConfig(dual_clip=3.0))
+
+
 @pytest.mark.parametrize("policy", ["gspo", "cispo", "sapo"])
 def test_on_policy_every_surrogate_is_reinforce(policy):
     """Ratio 1 (old = logp): GSPO's s = 1, CISPO's weight 1, SAPO's gate slope 1: the gradient is
