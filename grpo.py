@@ -48,7 +48,7 @@ from domains import FLAG, OneOf, Range, need
 
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl")
 IS_MODES = ("none", "tis", "token_mask", "seq_truncate", "seq_mask", "seq_geo_mask")
 SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequences
 
@@ -76,8 +76,14 @@ class GRPOConfig:
     #   sequence's ratio (geometric mean of its tokens'), clipped (Zheng et al. 2025, arXiv
     #   2507.18071: loss_agg seq_mean, clips of ~3e-4); cispo, the token ratio capped at
     #   1 + clip_high and detached, so every token keeps a gradient (MiniMax-M1, arXiv
-    #   2506.13585); sapo, a smooth gate of the ratio instead of the clip (arXiv 2511.20347)
+    #   2506.13585); sapo, a smooth gate of the ratio instead of the clip (arXiv 2511.20347);
+    #   dppo_tv / dppo_kl, DPPO (arXiv 2602.04879, verl's losses of those names): sg(min(ratio,
+    #   dppo_ratio_cap)) A log p, 0 where the token's probability left a trust region measured
+    #   by a divergence (binary TV or binary KL to the old policy's) instead of the ratio; its
+    #   bounds are clip_high (A > 0) and clip_low (A < 0), as in verl
     policy_loss: Annotated[str, OneOf(*POLICY_LOSSES)] = "ppo"
+    # dppo_*: the detached ratio's cap (verl's clip_ratio_c, 3 by default)
+    dppo_ratio_cap: Annotated[float, Range(1)] = 3.0
     # dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 4): with a negative advantage the
     #   clipped surrogate is at least c x A, so a token whose ratio grew far past the clip
     #   cannot move the loss without bound; 0: off, else c > 1 (the paper's 3). ppo and gspo
@@ -155,7 +161,7 @@ def validate(cfg: GRPOConfig) -> None:
         raise ValueError(f"grpo.dual_clip={cfg.dual_clip}: the lower bound c x A of a negative "
                          "advantage's surrogate needs c > 1 (below, it would cut tokens inside "
                          "the clip range). Fix: grpo.dual_clip=3 (the paper's), or 0 (off)")
-    if cfg.dual_clip and cfg.policy_loss in ("cispo", "sapo"):
+    if cfg.dual_clip and cfg.policy_loss not in ("ppo", "gspo"):
         raise ValueError(f"grpo.dual_clip with grpo.policy_loss={cfg.policy_loss}: dual-clip "
                          "bounds PPO's clipped surrogate, which that one does not use. Fix: "
                          "grpo.dual_clip=0, or policy_loss ppo or gspo")
@@ -367,6 +373,10 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
     if cfg.policy_loss == "cispo":  # sg(min(ratio, 1 + clip_high)) A log p: the paper's form
         weight = ratio.detach().clamp(max=1 + cfg.clip_high)
         surrogate, cut = weight * t.adv * logp, weight < ratio
+    elif cfg.policy_loss in ("dppo_tv", "dppo_kl"):  # sg(min(ratio, cap)) A log p, in the region
+        inside = dppo_inside(logp.detach(), old, t.adv, cfg)
+        weight = ratio.detach().clamp(max=cfg.dppo_ratio_cap)
+        surrogate, cut = weight * t.adv * logp * inside, ~inside
     elif cfg.policy_loss == "sapo":  # 4/tau sigmoid(tau (ratio - 1)): slope 1 at ratio 1
         tau = torch.where(t.adv > 0, t.adv.new_full((), cfg.sapo_tau_pos),
                           t.adv.new_full((), cfg.sapo_tau_neg))  # in adv's dtype
@@ -386,6 +396,20 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
         per_token = per_token + cfg.kl_coef * (kl * torch.exp(logp - old) if cfg.kl_unbiased
                                                else kl)
     return (per_token * t.coef).sum(), (cut * t.written).sum()
+
+
+def dppo_inside(logp, old, adv, cfg: GRPOConfig):
+    """DPPO's trust region (arXiv 2602.04879; verl's dppo_tv and dppo_kl): whether each token's
+    probability p moved from the old policy's q by less than a divergence bound, in the
+    direction its advantage pushes it (A > 0: up, bound clip_high; else down, clip_low). Binary
+    TV: p - q; binary KL: KL(Bernoulli(q) || Bernoulli(p)). Detached inputs, bool out."""
+    p, q = logp.exp(), old.exp()
+    if cfg.policy_loss == "dppo_tv":
+        up, down = p - q <= cfg.clip_high, p - q >= -cfg.clip_low
+    else:  # the 1e-8 keeps log finite at p or q = 1, as verl's
+        kl = q * (old - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        up, down = (kl <= cfg.clip_high) | (p <= q), (kl <= cfg.clip_low) | (p >= q)
+    return torch.where(adv > 0, up, down)
 
 
 def off_policy_stats(old_logp: list, engine_logp: list, adv: list, delta: float) -> dict:

@@ -193,6 +193,9 @@ POLICY_VARIANTS = [
     # fused_and_unfused: the negative-advantage rows exceed a delta of 0.02)
     ("token_mean", 0.2, 0.2, 0.1, "k3", "tis", True, 1.0, "ppo", False, 0.02),
     ("seq_mean", 0.2, 0.2, 0.0, "k3", "none", False, 0.7, "cispo", False, 0.02),
+    # DPPO's trust regions, off-policy: bounds the near(0.3) old policy's tokens cross
+    ("token_mean", 0.02, 0.02, 0.0, "k3", "tis", False, 1.0, "dppo_tv"),
+    ("seq_mean", 0.002, 0.002, 0.05, "k1", "tis", False, 0.7, "dppo_kl"),
     # grpo.dual_clip: off-policy ratios above c = 1.05 with a negative advantage meet the bound
     ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 1.0, "ppo", False, 0.0, 1.05),
 ]
@@ -222,7 +225,7 @@ def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_
         if len(variant) > 11:  # dual-clip's bound took part: without it the loss differs
             unbounded = fused_and_unfused(arch, variant[:11], dtype, turns)[0]
             assert abs(unbounded["loss"] - fused["loss"]) > 100 * tol * scale
-    if variant[8] in ("gspo", "cispo", "ppo") and not variant[6]:
+    if variant[8] in ("gspo", "cispo", "ppo", "dppo_tv", "dppo_kl") and not variant[6]:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
 
 

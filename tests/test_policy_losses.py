@@ -34,6 +34,11 @@ def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
     summed over tokens (here: under loss_agg's weights); gradient r_hat A, never cut.
     SAPO (arXiv 2511.20347): each token's f(r) A, f(r) = 4 / tau sigmoid(tau (r - 1)), tau the
     positive or negative advantage's; gradient 4 sigmoid (1 - sigmoid) r A.
+    DPPO (arXiv 2602.04879, as verl's dppo_tv / dppo_kl compute it): each token's
+    sg(min(r, cap)) A log pi times 1 inside the trust region, 0 outside: with p, q the current
+    and old probabilities, inside for A > 0 when p - q <= eps_h (TV) or KL(Bern(q) || Bern(p))
+    <= eps_h or p <= q (KL); for A <= 0 when q - p <= eps_l, or KL <= eps_l or p >= q.
+    Gradient min(r, cap) A inside, cut outside.
     All terms are negated (a loss) and times the token's mismatch weight."""
     loss, grad, cut = 0.0, [], []
     for i in range(len(logp)):
@@ -54,7 +59,19 @@ def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
             coef = {"token_mean": 1 / n_tokens, "seq_mean": 1 / (n * n_seqs),
                     "constant": 1 / (n_seqs * max_len)}[g.loss_agg]
             r = math.exp(logp[i][t] - old[i][t])
-            if policy == "cispo":
+            if policy.startswith("dppo"):
+                p, q = math.exp(logp[i][t]), math.exp(old[i][t])
+                if policy == "dppo_tv":
+                    up, down = p - q <= g.clip_high, q - p <= g.clip_low
+                else:
+                    kl = q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                    up, down = kl <= g.clip_high or p <= q, kl <= g.clip_low or p >= q
+                inside = up if adv[i] > 0 else down
+                r_hat = min(r, g.dppo_ratio_cap)
+                loss += -r_hat * adv[i] * logp[i][t] * inside * weight[i][t] * coef
+                row_grad[t] = -r_hat * adv[i] * inside * weight[i][t] * coef
+                row_cut[t] = not inside
+            elif policy == "cispo":
                 r_hat = min(r, 1 + g.clip_high)
                 loss += -r_hat * adv[i] * logp[i][t] * weight[i][t] * coef
                 row_grad[t], row_cut[t] = -r_hat * adv[i] * weight[i][t] * coef, r > r_hat
@@ -86,7 +103,9 @@ def ours(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
 CASES = [("gspo", "seq_mean", 3e-4, 4e-4), ("gspo", "seq_mean", 0.2, 0.2),
          ("cispo", "token_mean", 0.2, 0.5), ("cispo", "seq_mean", 0.2, 0.2),
          ("cispo", "constant", 0.2, 4.0), ("sapo", "token_mean", 0.2, 0.2),
-         ("sapo", "seq_mean", 0.2, 0.2)]
+         ("sapo", "seq_mean", 0.2, 0.2),
+         ("dppo_tv", "token_mean", 0.03, 0.05), ("dppo_tv", "seq_mean", 0.05, 0.03),
+         ("dppo_kl", "token_mean", 0.005, 0.01), ("dppo_kl", "constant", 0.01, 0.005)]
 
 
 @pytest.mark.parametrize("policy, agg, low, high", CASES)
@@ -105,6 +124,8 @@ def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
     assert (got_grad - torch.tensor(want_grad, dtype=torch.float64)).abs().max() < 1e-12
     assert got_cut.tolist() == [[c and bool(m) for c, m in zip(cr, mr)]
                                 for cr, mr in zip(want_cut, mask.tolist())]
+    if policy.startswith("dppo"):  # the case has tokens in and out of the trust region
+        assert got_cut[mask.bool()].any() and not got_cut[mask.bool()].all()
 
 
 @pytest.mark.parametrize("c", [1.2, 3.0])
@@ -123,7 +144,7 @@ def test_dual_clip_against_its_paper_loop_in_fp64(c):
         for t in range(5):
             if not mask[i, t]:
                 continue
-            r, a, w = math.exp(logp[i, t] - old[i, t]), adv[i].item(), weight[i, t].item()
+            r, a, w = math.exp((logp[i, t] - old[i, t]).item()), adv[i].item(), weight[i, t].item()
             unclipped, clipped = r * a, min(max(r, 0.8), 1.28) * a
             term = min(unclipped, clipped)
             if a < 0 and c * a > term:
@@ -147,7 +168,7 @@ def test_dual_clip_refusals():
     grpo.validate(GRPOConfig(dual_clip=3.0))
 
 
-@pytest.mark.parametrize("policy", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("policy", ["gspo", "cispo", "sapo", "dppo_tv", "dppo_kl"])
 def test_on_policy_every_surrogate_is_reinforce(policy):
     """Ratio 1 (old = logp): GSPO's s = 1, CISPO's weight 1, SAPO's gate slope 1: the gradient is
     -A times the aggregation's weight of the token, as for PPO."""
