@@ -14,11 +14,12 @@ back at the end). Each token the model wrote gets the advantage
 with logp_student the engine's logprob of the token (the policy that sampled it): the
 sampled-token estimate of -KL(student || teacher), the reverse KL, which the student lowers by
 raising the tokens the teacher likes more than it does (distill.loss: reverse_sampled). Both
-logprobs are of softmax(logits / rollout.temperature). A_group is GRPO's advantage of the sample
-(grpo.score); reward_coef 0 is pure distillation, where the rewards are still computed and
-logged. The loss is grpo.grpo_loss, unchanged: its advantages are per token (grpo.Batch.adv),
-so the surrogate, the mismatch correction and the masks apply as to GRPO's; tokens an
-environment wrote get no loss, as always. The teacher's pass is one transform of the batch
+logprobs are of softmax(logits / rollout.temperature); at rollout.top_p < 1 the student's is over
+the nucleus it sampled from, the teacher's over its whole vocabulary. A_group is GRPO's advantage
+of the sample (grpo.score); reward_coef 0 is pure distillation, where the rewards are still
+computed and logged. The loss is grpo.grpo_loss, unchanged: its advantages are per token
+(grpo.Batch.adv), so the surrogate, the mismatch correction and the masks apply as to GRPO's;
+tokens an environment wrote get no loss, as always. The teacher's pass is one transform of the batch
 (`teach`, batcher.py), after the others.
 
 distill.loss: forward_top_k uses the teacher's whole distribution at each position the student
@@ -164,13 +165,15 @@ def teach(batch: grpo.Batch, teacher, cfg: DistillConfig, passes: grpo.Settings)
     distill.loss forward_top_k, the teacher's top k for the loss's forward KL
     (grpo.TeacherTopK); and its metrics: the mean reverse KL to the teacher over the tokens the
     model wrote (distill_kl, the sampled estimate in either mode), the pass's seconds and this
-    rank's teacher bytes. passes: how the pass runs (the update's grpo.Settings). Every rank
-    calls it (FSDP collectives)."""
+    rank's teacher bytes. passes: how the pass runs (the update's grpo.Settings), over the
+    teacher's full softmax whatever rollout.top_p: the teacher samples nothing, and the KL is
+    to its distribution (the student's side, the engine's logprob, is of the nucleus it
+    sampled from). Every rank calls it (FSDP collectives)."""
     t, samples = time.perf_counter(), batch.samples
     k = cfg.top_k if cfg.loss == "forward_top_k" else 0
     with torch.profiler.record_function("step:teacher"), fsdp_utils.reference(teacher):
-        teacher_logp, top_logp, top_ids = logprobs.sample_top_k(teacher, samples, passes, k,
-                                                                split=batch.split)
+        teacher_logp, top_logp, top_ids = logprobs.sample_top_k(
+            teacher, samples, dataclasses.replace(passes, top_p=1.0), k, split=batch.split)
     seconds = time.perf_counter() - t
     engine = grpo.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
                                     for s in samples])  # the model's tokens only

@@ -597,6 +597,7 @@ class Settings:
     temperature: float = 1.0  # the engine's sampling temperature (rollout.temperature)
     max_len: int = 1  # the engine's max_new_tokens: Dr. GRPO's constant normaliser
     grad_clip: float = 0.0  # the gradient norm's bound (optim.grad_clip); 0: none
+    top_p: float = 1.0  # the engine's nucleus (rollout.top_p): actor and reference logprobs over it
 
 
 def token_inputs(batch: Batch, mb, old_logp, ref_logp, cfg: GRPOConfig, counts: tuple,
@@ -721,7 +722,8 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
         mb, full = logprobs.to_device(mb, device), logprobs.to_device(t, device)
         loss = MicroLoss(mb.mine(full), full, mb, g)  # this rank's tokens of the row (sp)
         with moe.routing(actor, mb.routing, router if idx else None, mb.real):
-            out = logprobs.run(actor, mb, cfg.temperature, g.logprob_chunk, loss)
+            out = logprobs.run(actor, mb, cfg.temperature, g.logprob_chunk, loss,
+                               top_p=cfg.top_p)
             logprobs.hold_gathered(actor, hold=k < len(plan) - 1)  # FSDP2 units, till the last
             # FSDP averages gradients over ranks; the loss is a global mean: undo the average
             (out["loss"] * (dist.get_world_size() if idx else 0.0)).backward()

@@ -11,8 +11,9 @@ layer replaced, so that the model returns, in place of its (B, T, vocab) logits:
 
 The output layer runs only on the K rows that predict a response token, `chunk` rows at a time.
 Each chunk's logits exist once, in fp32 for the length of one pass, which yields the sampled
-tokens' logprob, the entropy of the sampling distribution softmax(logits / T) and, because the
-loss is a sum of per-token terms, the gradient of the loss with respect to each token's logprob
+tokens' logprob, the entropy of the sampling distribution softmax(logits / T) (at top_p < 1, that
+over the nucleus vLLM's sampler keeps, renormalised: _outside_nucleus) and, because the loss is a
+sum of per-token terms, the gradient of the loss with respect to each token's logprob
 (dlogp = dL/dlogp, from the loss's own code, by autograd on that (c,) vector), and with it the
 gradients of the logits, of the hidden states and of the weight. Backward recomputes nothing: it
 scales the stored gradients by its incoming gradient. The result leaves through the model's
@@ -255,16 +256,54 @@ def _logits(h, weight, bias, temperature: float) -> torch.Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+# rows of a chunk whose nucleus is found at once: the sort's (r, V) values and int64 indices and
+# the softmax's copy, 17 bytes a vocabulary entry, stay below 200 MB at a 152k vocabulary
+NUCLEUS_ROWS = 64
+
+
+def _outside_nucleus(z, top_p: float, targets) -> torch.Tensor:
+    """(c, V) logits / T -> (c, V) bool: True on the tokens vLLM's sampler drops at top_p, the
+    rows' targets excepted. Kept, in z's dtype (fp32 as vLLM's): the largest logits up to and
+    including the one whose cumulative probability, counted from the largest, first reaches
+    top_p, and always the largest one; ties ordered as torch.sort orders them. A target outside
+    (the trainer's logits a rounding away from the engine's, which sampled it) joins its row's
+    set: its logp is then z_t - logsumexp over the set and it, finite, with that gradient."""
+    outside = torch.empty(z.shape, dtype=torch.bool, device=z.device)  # (c, V)
+    bound = 1 - torch.tensor(top_p, dtype=torch.float32)  # fp32, as vLLM's sampling metadata
+    for s in range(0, z.shape[0], NUCLEUS_ROWS):  # the sort's buffers for a few rows at a time
+        # vLLM 0.32 v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch, op for op
+        zs, idx = z[s:s + NUCLEUS_ROWS].sort(dim=-1)  # ascending, (r, V) each
+        drop = zs.softmax(dim=-1).cumsum_(dim=-1) <= bound
+        drop[:, -1] = False  # at least one
+        outside[s:s + NUCLEUS_ROWS].scatter_(1, idx, drop)
+    return outside.scatter_(1, targets[:, None], False)
+
+
+def _renormalise(logp_all, p, outside) -> None:
+    """In place: (c, V) log softmax and softmax of the full vocabulary -> those of the nucleus
+    (p 0 outside it; logp_all finite there, to be read only where p > 0)."""
+    mass = p.masked_fill_(outside, 0).sum(1, keepdim=True)  # (c, 1) the nucleus's share
+    p.div_(mass)
+    logp_all.sub_(mass.log_())
+
+
 @torch.no_grad()
-def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: int = 0):
-    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets; with top_k > 0,
+def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: int = 0,
+               top_p: float = 1.0):
+    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets, over the
+    nucleus at top_p < 1 (_outside_nucleus, renormalised as _chunk_grad does); with top_k > 0,
     (that, (K, k) the k largest logprobs of each row, (K, k) their token ids)."""
     out = torch.empty(h.shape[0], dtype=_wide(h.dtype), device=h.device)
     k = min(top_k, weight.shape[0])
     top = torch.empty(h.shape[0], k, dtype=out.dtype, device=h.device)
     ids = torch.empty(h.shape[0], k, dtype=torch.long, device=h.device)
     for s in range(0, h.shape[0], chunk):
-        logp = _logits(h[s:s + chunk], weight, bias, temperature).log_softmax(-1)  # (c, V)
+        z = _logits(h[s:s + chunk], weight, bias, temperature)  # (c, V)
+        logp = z.log_softmax(-1)  # (c, V)
+        if top_p < 1:
+            outside = _outside_nucleus(z, top_p, targets[s:s + chunk])
+            _renormalise(logp, torch.exp(logp, out=z), outside)
+            logp.masked_fill_(outside, -float("inf"))
         out[s:s + chunk] = logp.gather(1, targets[s:s + chunk, None])[:, 0]
         if k:
             torch.topk(logp, k, dim=1, out=(top[s:s + chunk], ids[s:s + chunk]))
@@ -291,24 +330,34 @@ def top_k_forward_kl(logp_all, p, ids, target, coef):
     return kl @ coef.to(kl.dtype), g.mul_(coef.to(g.dtype)[:, None])
 
 
-def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, rows: slice):
+def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, rows: slice,
+                top_p: float = 1.0):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
-    softmax(logits / T) over the chunk's rows where `written` (c,) is 1, the chunk's loss and
-    clip count from loss(logp, rows) (plus loss.dense's), and dL/dlogits (c, V) in the compute
-    dtype. loss.dense(logp_all, p, rows) is a term of the whole distribution (c, V): its loss and
-    its gradient with respect to logits / T (top_k_forward_kl), or (0, None)."""
+    the sampling distribution over the chunk's rows where `written` (c,) is 1, the chunk's loss
+    and clip count from loss(logp, rows) (plus loss.dense's), and dL/dlogits (c, V) in the
+    compute dtype. The sampling distribution: softmax(logits / T), and at top_p < 1 that over
+    the nucleus vLLM's sampler keeps (_outside_nucleus), renormalised, 0 elsewhere; the logp
+    and the entropy are of it. loss.dense(logp_all, p, rows) is a term of the whole
+    distribution (c, V), of the full softmax whatever top_p (a teacher's token outside the
+    nucleus would make a KL to it infinite): its loss and its gradient with respect to
+    logits / T (top_k_forward_kl), or (0, None)."""
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
+    outside = _outside_nucleus(z, top_p, targets) if top_p < 1 else None  # (c, V) bool
     logp_all = z.log_softmax(-1)  # (c, V)
-    logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
-    p = torch.exp(logp_all, out=z)  # (c, V) the sampling distribution, in z's memory
+    p = torch.exp(logp_all, out=z)  # (c, V) the full softmax, in z's memory
     extra, g = loss.dense(logp_all, p, rows)
+    if outside is not None:  # the nucleus: p_S = p / p(S) on S, 0 off it
+        _renormalise(logp_all, p, outside)
+    logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
     entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
     del logp_all
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
         value, clipped = loss(leaf, rows)
         (dlogp,) = torch.autograd.grad(value, leaf, materialize_grads=True)  # dL/dlogp
-    # logp = z[t] - logsumexp(z) with z = logits / T: dlogp/dlogits = (onehot(t) - p) / T
+    # logp = z[t] - logsumexp_S(z) with z = logits / T and S the kept set (the whole vocabulary
+    # at top_p 1; a selection, constant between its jumps: no gradient through it):
+    # dlogp/dlogits = (onehot(t) - p_S) / T, 0 off S
     dlogp = dlogp / temperature  # (c,)
     dz = p.mul_(-dlogp[:, None])  # (c, V), in p's memory
     dz.scatter_add_(1, targets[:, None], dlogp[:, None])
@@ -325,12 +374,12 @@ class _FusedOutputLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
-                loss, out: dict):
+                loss, out: dict, top_p: float):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
         if loss.whole:  # the loss needs every token's logp before any gradient
-            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk)
+            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk, top_p=top_p)
             loss = loss.with_whole(logp if mb.local is None  # sequence parallel: every rank's
                                    else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
@@ -342,7 +391,8 @@ class _FusedOutputLayer(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             k = slice(s, s + chunk)
             logp, entropy, value, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                            written[k], temperature, loss, k)
+                                                            written[k], temperature, loss, k,
+                                                            top_p)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
@@ -363,12 +413,14 @@ class _FusedOutputLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
-        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 5
+        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 6
 
 
-def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0) -> dict:
+def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0,
+        top_p: float = 1.0) -> dict:
     """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
-    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature) (detached);
+    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature), over the
+    nucleus that vLLM's sampler keeps at top_p < 1, renormalised (_outside_nucleus) (detached);
     without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
     likely tokens. With a loss (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss,
     clip count), a sum of per-token terms): also "loss" (0-dim; its backward() runs the model's
@@ -384,11 +436,11 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k:
         if loss is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
             found = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
-                               mb.targets, temperature, chunk, top_k)
+                               mb.targets, temperature, chunk, top_k, top_p)
             out.update(zip(("logp", "top_logp", "top_ids"), found) if top_k else [("logp", found)])
             return out["logp"]
         return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
-                                       loss, out)
+                                       loss, out, top_p)
 
     head.forward = types.MethodType(forward, head)
     try:
@@ -452,7 +504,7 @@ def per_sample(found: list, n: int) -> list:
 def sample_logprobs(model, samples: list, cfg, replay: bool = False, split=None) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
     (n_i,) fp32 CPU tensors. cfg: grpo.Settings (its grpo section's micro_batch_tokens, pack and
-    logprob_chunk; pad_id, device, temperature); replay and split: sample_top_k's."""
+    logprob_chunk; pad_id, device, temperature, top_p); replay and split: sample_top_k's."""
     return sample_top_k(model, samples, cfg, 0, replay, split)[0]
 
 
@@ -471,7 +523,7 @@ def sample_top_k(model, samples: list, cfg, k: int, replay: bool = False, split=
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, cfg.pad_id, g.pack, model.config, split), cfg.device)
         with moe.routing(model, mb.routing if replay else None):
-            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=k)
+            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=k, top_p=cfg.top_p)
         for name, x in out.items():
             found[name].append((idx, x, mb.lengths))
     return tuple(per_sample(x, len(samples)) if name == "logp" or k else None

@@ -319,7 +319,8 @@ def build_trainer(run: Run) -> None:
     run.split = seq_parallel.split(cfg.model.sp_size)  # (made by build_actor: the same group)
     run.settings = grpo.Settings(cfg.grpo, run.tokenizer.pad_token_id or 0,
                                  npu_ops.local_device(), cfg.rollout.temperature,
-                                 cfg.rollout.max_new_tokens, cfg.optim.grad_clip)
+                                 cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
+                                 top_p=cfg.rollout.top_p)
     run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
     run.trainable = fsdp_utils.trainable(run.actor)
     run.flops = fsdp_utils.flops_per_token(run.actor)

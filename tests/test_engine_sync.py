@@ -27,3 +27,11 @@ def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
 def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
     out = launch(["tests/workers/export_parity.py", tiny_models["qwen2"], str(tmp_path / "export")])
     assert out.count("EXPORT_PARITY_OK") == 2, out[-3000:]
+
+
+def test_engine_matches_trainer_at_top_p(tiny_task_dir):
+    """The engine's processed logprobs of the tokens it sampled at top_p 0.9 (temperature 0.7)
+    are the trainer's nucleus logprobs on the same weights (logprobs._outside_nucleus)."""
+    out = launch(["tests/workers/top_p_parity.py", f"{tiny_task_dir}/model", "1"], nproc=1)
+    assert out.count("TOP_P_PARITY_OK") == 1, out[-3000:]
+    print(next(line for line in out.splitlines() if "max |engine - trainer|" in line))
