@@ -24,6 +24,7 @@ def nucleus_kept(z, top_p):
     return ~torch.zeros_like(drop).scatter(1, idx, drop)
 
 
+@pytest.mark.engine  # vLLM's own function: the lanes that have vLLM (0.32, and 0.23's)
 def test_the_kept_set_is_vllms():
     """On fp32 rows with ties (bf16-rounded logits, as a bf16 output layer gives them) and
     without, peaked and flat, at several top_p: the tokens vLLM's own function keeps are the
