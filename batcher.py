@@ -32,8 +32,7 @@ def share(ro, scored, group, step: int, seed: int) -> grpo.Batch:
     mine = scored.trained[group.tp_rank::group.size]
     samples, adv = records.with_earlier([ro.samples[i] for i in mine],
                                         torch.tensor(scored.adv)[mine])
-    return grpo.Batch(samples, [a.expand(len(s.response_ids)).clone()
-                                for s, a in zip(samples, adv)], seed, step)
+    return grpo.Batch.per_sample(samples, adv, seed, step=step)
 
 
 class Batcher:

@@ -576,6 +576,13 @@ class Batch:
     #   each 1/sp of every packed row's tokens; None: no sequence parallelism
     metrics: dict = field(default_factory=dict)  # the transforms' own (a teacher's pass)
 
+    @classmethod
+    def per_sample(cls, samples: list, adv: torch.Tensor, seed: int, **fields) -> "Batch":
+        """A batch whose samples each have one advantage, adv (n,), laid out at every one of
+        their response tokens in fp32; `fields`: the others (step, teacher, split)."""
+        return cls(samples, [a.float().expand(len(s.response_ids)).clone()
+                             for s, a in zip(samples, adv)], seed, **fields)
+
     def of(self, idx: list) -> "Batch":
         """The samples idx, with what they carry."""
         return dataclasses.replace(

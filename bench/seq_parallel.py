@@ -68,9 +68,7 @@ def main() -> None:
         spec = fsdp_utils.ModelConfig(path=path, param_dtype="float32", sp_size=sp)
         actor = fsdp_utils.build_actor(spec, init_device_mesh(npu_ops.device_type(), (world,)))
 
-        batch = grpo.Batch(samples, [a.expand(len(s.response_ids)).clone()
-                                     for s, a in zip(samples, adv)], 0,
-                           split=seq_parallel.split(sp))
+        batch = grpo.Batch.per_sample(samples, adv, 0, split=seq_parallel.split(sp))
         settings = grpo.Settings(cfg, 0, npu_ops.local_device(), 1.0, half)
 
         def step(actor=actor, batch=batch, settings=settings):

@@ -108,8 +108,7 @@ def run_one(args, variant: str) -> dict:
     samples, adv = samples[rank::world], adv[rank::world]  # this rank's share
     gcfg = grpo.GRPOConfig(micro_batch_tokens=args.micro_batch_tokens, **VARIANTS[variant])
 
-    batch = grpo.Batch(samples, [a.expand(len(s.response_ids)).clone()
-                                 for s, a in zip(samples, adv)], 0)
+    batch = grpo.Batch.per_sample(samples, adv, 0)
     settings = grpo.Settings(gcfg, 0, device, 1.0, 4 * lo)
 
     def step():

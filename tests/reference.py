@@ -158,8 +158,7 @@ def batch_of(samples: list, adv: torch.Tensor, seed: int = 0, **fields) -> grpo.
     """A grpo.Batch of `samples` whose advantages adv (n,) are each sample's at every one of its
     response tokens, in fp32 (as batcher.share lays them out); `fields`: grpo.Batch's others
     (teacher, split, step)."""
-    per_token = [a.float().expand(len(s.response_ids)).clone() for s, a in zip(samples, adv)]
-    return grpo.Batch(samples, per_token, seed, **fields)
+    return grpo.Batch.per_sample(samples, adv, seed, **fields)
 
 
 def settings(cfg, temperature: float = 1.0, max_len: int = 64, **fields) -> grpo.Settings:
