@@ -47,8 +47,9 @@ import tracking
 from domains import FLAG, OneOf, Range, need
 
 
-LOSS_AGGS = ("token_mean", "seq_mean", "constant")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl")
+LOSS_AGGS = ("token_mean", "seq_mean", "constant", "seq_sum")
+POLICY_LOSSES = ("ppo", "gspo", "luspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "vespo")
+SEQ_RATIO = ("gspo", "luspo")  # surrogates of each sequence's ratio
 IS_MODES = ("none", "tis", "token_mask", "seq_truncate", "seq_mask", "seq_geo_mask")
 SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequences
 
@@ -67,7 +68,8 @@ class GRPOConfig:
     #   own group advantage, weighted and summed, then normalised over the batch (GDPO, arXiv
     #   2601.05242; TRL multi_objective_aggregation=normalize_then_sum)
     reward_agg: Annotated[str, OneOf("sum", "gdpo")] = "sum"
-    # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
+    # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO) | seq_sum: each sequence's sum
+    #   over its tokens, averaged over sequences (LUSPO's: a sequence weighs by its length)
     loss_agg: Annotated[str, OneOf(*LOSS_AGGS)] = "token_mean"
     # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_low: Annotated[float, Range(0, 1, hi_open=True)] = 0.2
@@ -80,7 +82,11 @@ class GRPOConfig:
     #   dppo_tv / dppo_kl, DPPO (arXiv 2602.04879, verl's losses of those names): sg(min(ratio,
     #   dppo_ratio_cap)) A log p, 0 where the token's probability left a trust region measured
     #   by a divergence (binary TV or binary KL to the old policy's) instead of the ratio; its
-    #   bounds are clip_high (A > 0) and clip_low (A < 0), as in verl
+    #   bounds are clip_high (A > 0) and clip_low (A < 0), as in verl; luspo, gspo's surrogate
+    #   with each sequence's term times its length (LUSPO, arXiv 2602.05261; TRL's luspo:
+    #   loss_agg seq_sum); vespo, sg(phi(w)) A log p with w the sequence's ratio to the
+    #   sampling policy (a product, the engine's mismatch folded in) and phi a gamma-shaped
+    #   weight, phi(1) = 1, instead of a clip (VESPO, arXiv 2602.10693; TRL 1.16's vespo)
     policy_loss: Annotated[str, OneOf(*POLICY_LOSSES)] = "ppo"
     # dppo_*: the detached ratio's cap (verl's clip_ratio_c, 3 by default)
     dppo_ratio_cap: Annotated[float, Range(1)] = 3.0
@@ -88,8 +94,24 @@ class GRPOConfig:
     #   clipped surrogate is at least c x A, so a token whose ratio grew far past the clip
     #   cannot move the loss without bound; 0: off, else c > 1 (the paper's 3). ppo and gspo
     dual_clip: Annotated[float, Range(0)] = 0.0
+    # VESPO's phi(w) = exp(lambda + k log w - lambda w), largest at w = k / lambda (defaults:
+    #   TRL 1.16's): k, how fast phi falls below w = k / lambda, for A >= 0
+    vespo_k_pos: Annotated[float, Range(0)] = 2.0
+    vespo_lambda_pos: Annotated[float, Range(0, lo_open=True)] = 3.0  # lambda, its decay, A >= 0
+    vespo_k_neg: Annotated[float, Range(0)] = 3.0  # k for A < 0
+    vespo_lambda_neg: Annotated[float, Range(0, lo_open=True)] = 2.0  # lambda for A < 0
     sapo_tau_pos: Annotated[float, Range(0, lo_open=True)] = 1.0  # SAPO's gate temperature, A > 0
     sapo_tau_neg: Annotated[float, Range(0, lo_open=True)] = 1.05  # and A <= 0 (the paper's)
+    # an entropy bonus: the loss minus entropy_coef x the mean entropy of the sampling
+    #   distribution (the nucleus at rollout.top_p < 1) over the tokens the model wrote (TRL's
+    #   entropy_coef); 0: off. No extra pass: its gradient joins the logprobs' in the fused pass
+    entropy_coef: Annotated[float, Range(0)] = 0.0
+    # rho: only the top rho of the rollout's tokens by entropy keep their policy gradient, the
+    #   "forking tokens" (Wang et al. 2025, arXiv 2506.01939, whose rho is 0.2; TRL's
+    #   top_entropy_quantile); the threshold is over every rank's tokens, under the policy
+    #   before the rollout's first optimizer step; 1: every token. On-policy it takes one more
+    #   forward without gradient; off-policy it rides on the old policy's pass
+    top_entropy_quantile: Annotated[float, Range(0, 1)] = 1.0
     ppo_epochs: Annotated[int, Range(1)] = 1  # passes over each rollout
     # optimizer steps per pass; >1 epochs or mini-batches: off-policy
     mini_batches: Annotated[int, Range(1)] = 1
@@ -152,19 +174,29 @@ def validate(cfg: GRPOConfig) -> None:
         raise ValueError(f"grpo.policy_loss=gspo with grpo.loss_agg={cfg.loss_agg}: GSPO's "
                          "objective is a mean over sequences of each sequence's term, which "
                          "seq_mean alone gives. Fix: grpo.loss_agg=seq_mean")
-    if cfg.policy_loss == "gspo" and cfg.is_correction in ("tis", "token_mask"):
-        raise ValueError(f"grpo.policy_loss=gspo with grpo.is_correction={cfg.is_correction}: "
-                         "GSPO weighs whole sequences, that mode single tokens, and a sequence's "
-                         "gradient would depend on how the weights spread over its tokens. Fix: "
-                         "grpo.is_correction=seq_mask (or another seq_ mode, or none)")
+    if cfg.policy_loss == "luspo" and cfg.loss_agg != "seq_sum":
+        raise ValueError(f"grpo.policy_loss=luspo with grpo.loss_agg={cfg.loss_agg}: LUSPO's "
+                         "objective is a mean over sequences of each sequence's term times its "
+                         "length, which seq_sum alone gives. Fix: grpo.loss_agg=seq_sum")
+    if cfg.policy_loss in SEQ_RATIO and cfg.is_correction in ("tis", "token_mask"):
+        raise ValueError(f"grpo.policy_loss={cfg.policy_loss} with grpo.is_correction="
+                         f"{cfg.is_correction}: it weighs whole sequences, that mode single "
+                         "tokens, and a sequence's gradient would depend on how the weights "
+                         "spread over its tokens. Fix: grpo.is_correction=seq_mask (or another "
+                         "seq_ mode, or none)")
+    if cfg.policy_loss == "vespo" and cfg.is_correction in SEQ_IS_MODES:
+        raise ValueError(f"grpo.policy_loss=vespo with grpo.is_correction={cfg.is_correction}: "
+                         "VESPO folds each token's mismatch weight into its sequence's ratio, "
+                         "which a sequence's weight would count once per token. Fix: grpo."
+                         "is_correction=tis or token_mask (or none)")
     if 0 < cfg.dual_clip <= 1:
         raise ValueError(f"grpo.dual_clip={cfg.dual_clip}: the lower bound c x A of a negative "
                          "advantage's surrogate needs c > 1 (below, it would cut tokens inside "
                          "the clip range). Fix: grpo.dual_clip=3 (the paper's), or 0 (off)")
-    if cfg.dual_clip and cfg.policy_loss not in ("ppo", "gspo"):
+    if cfg.dual_clip and cfg.policy_loss not in ("ppo", *SEQ_RATIO):
         raise ValueError(f"grpo.dual_clip with grpo.policy_loss={cfg.policy_loss}: dual-clip "
                          "bounds PPO's clipped surrogate, which that one does not use. Fix: "
-                         "grpo.dual_clip=0, or policy_loss ppo or gspo")
+                         "grpo.dual_clip=0, or policy_loss ppo, gspo or luspo")
     if cfg.adv_std == "batch" and not cfg.scale_adv_by_std:
         raise ValueError("grpo.adv_std=batch with grpo.scale_adv_by_std=false: no std divides "
                          "the advantage. Fix: drop one of them")
@@ -177,11 +209,13 @@ def validate(cfg: GRPOConfig) -> None:
                          "the weighted sum, which GDPO does not normalise. Fix: grpo.overlong="
                          "mask, or reward_agg=sum")
     ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
-    if cfg.policy_loss == "sapo" and cfg.clip_high != defaults.clip_high:
+    if cfg.policy_loss in ("sapo", "vespo") and cfg.clip_high != defaults.clip_high:
         ignored.append(f"clip_high={cfg.clip_high}")
-    if cfg.policy_loss in ("sapo", "cispo") and ignored:
-        uses = ("gates with grpo.sapo_tau_pos/sapo_tau_neg" if cfg.policy_loss == "sapo"
-                else "caps the ratio at 1 + grpo.clip_high, with no lower bound")
+    if cfg.policy_loss in ("sapo", "cispo", "vespo") and ignored:
+        uses = {"sapo": "gates with grpo.sapo_tau_pos/sapo_tau_neg",
+                "vespo": "weighs with grpo.vespo_k_*/vespo_lambda_*",
+                "cispo": "caps the ratio at 1 + grpo.clip_high, with no lower bound"
+                }[cfg.policy_loss]
         raise ValueError(f"grpo.policy_loss={cfg.policy_loss} {uses}: it ignores grpo."
                          f"{' and grpo.'.join(ignored)}. Fix: leave them out, or pick "
                          "policy_loss ppo or gspo")
@@ -323,6 +357,8 @@ def loss_weights(mask, cfg: GRPOConfig, n_tokens: float, n_seqs: float, max_len:
         return mask / n_tokens
     if cfg.loss_agg == "seq_mean":  # mean over tokens, then over sequences (GRPO, DeepSeekMath)
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * n_seqs)
+    if cfg.loss_agg == "seq_sum":  # sum over tokens, mean over sequences (LUSPO)
+        return mask / n_seqs
     # constant: sum over tokens / (sequences x max_new_tokens): no length bias (Dr. GRPO)
     return mask / (n_seqs * max_len)
 
@@ -340,6 +376,9 @@ class Tokens:
     ref: torch.Tensor | None = None  # the reference's logprob, for the KL term; None: no KL
     seq_ratio: torch.Tensor | None = None  # gspo: its sequence's ratio to the old policy
     seq_keep: torch.Tensor | None = None  # off_policy_delta: 0 where its response is masked
+    seq_log_w: torch.Tensor | None = None  # vespo: log of its sequence's ratio (vespo_log_w)
+    forking: torch.Tensor | None = None  # top_entropy_quantile: 1 where it keeps its gradient
+    ent_coef: torch.Tensor | None = None  # its weight in the entropy bonus; None: no bonus
     top_ids: torch.Tensor | None = None  # (K, k) a teacher's k likeliest tokens (TeacherTopK)
     top_logp: torch.Tensor | None = None  # (K, k) the teacher's logprobs of them
     top_coef: torch.Tensor | None = None  # the forward KL's weight: coef x TeacherTopK.coef
@@ -368,9 +407,13 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
         cfg.is_cap_low)[0]
     # the token's ratio; gspo: its sequence's, with each token's share of its gradient (the
     # paper's GSPO-token form: equal advantages within a sequence give GSPO's gradient)
-    ratio = (t.seq_ratio * torch.exp(logp - logp.detach()) if cfg.policy_loss == "gspo"
+    ratio = (t.seq_ratio * torch.exp(logp - logp.detach()) if cfg.policy_loss in SEQ_RATIO
              else torch.exp(logp - old))
-    if cfg.policy_loss == "cispo":  # sg(min(ratio, 1 + clip_high)) A log p: the paper's form
+    if cfg.policy_loss == "vespo":  # sg(phi(w)) A log p; w holds the mismatch: no weight apart
+        phi = vespo_phi(t.seq_log_w if t.seq_log_w is not None else torch.zeros_like(old),
+                        t.adv, cfg)
+        surrogate, cut, w = phi * t.adv * logp, phi < 0.5, 1
+    elif cfg.policy_loss == "cispo":  # sg(min(ratio, 1 + clip_high)) A log p: the paper's form
         weight = ratio.detach().clamp(max=1 + cfg.clip_high)
         surrogate, cut = weight * t.adv * logp, weight < ratio
     elif cfg.policy_loss in ("dppo_tv", "dppo_kl"):  # sg(min(ratio, cap)) A log p, in the region
@@ -391,11 +434,38 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
             low = (t.adv < 0) & (surrogate < floor)
             surrogate, cut = torch.where(low, floor, surrogate), cut | low
     per_token = -surrogate * w * (1 if t.seq_keep is None else t.seq_keep)
+    if t.forking is not None:  # only the high-entropy tokens keep a policy gradient
+        per_token = per_token * t.forking
     if t.ref is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, t.ref, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * (kl * torch.exp(logp - old) if cfg.kl_unbiased
                                                else kl)
     return (per_token * t.coef).sum(), (cut * t.written).sum()
+
+
+def vespo_log_w(logp, old, is_weight, mask):
+    """(N, T) -> (N, 1) log w, VESPO's sequence ratio to the sampling policy, detached: the sum
+    over the sequence's tokens of log(p / p_old) and of the log of each token's mismatch weight
+    (p_old / p_engine, truncated or masked: grpo.is_correction tis or token_mask), clamped as
+    TRL 1.16's get_gamma_weights clamps them (each log ratio to [-20, 20], each log weight and
+    the sum to [log 1e-8, 20]: a masked token's weight 0 sends w to 1e-8)."""
+    floor = math.log(1e-8)
+    log_ratio = ((logp - old).detach().clamp(-20, 20) * mask).sum(1, keepdim=True)
+    log_is = (is_weight.log().clamp(floor, 20) * mask).sum(1, keepdim=True)
+    return (log_ratio + log_is).clamp(floor, 20)
+
+
+def vespo_phi(log_w, adv, cfg: GRPOConfig):
+    """VESPO's weight of each token (arXiv 2602.10693; TRL 1.16's get_gamma_weights):
+    phi(w) = exp(lambda + k log w - lambda w), a gamma density's shape scaled so that phi(1) = 1
+    (largest at w = k / lambda), k and lambda those of the sign of the token's advantage. log_w:
+    its sequence's (vespo_log_w), 0 on-policy without a mismatch weight. Detached."""
+    pos = adv >= 0
+    k = torch.where(pos, adv.new_full((), cfg.vespo_k_pos), adv.new_full((), cfg.vespo_k_neg))
+    lam = torch.where(pos, adv.new_full((), cfg.vespo_lambda_pos),
+                      adv.new_full((), cfg.vespo_lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
 def dppo_inside(logp, old, adv, cfg: GRPOConfig):
@@ -575,6 +645,9 @@ class Batch:
     split: object = None  # seq_parallel.Split: the group whose ranks train these same samples,
     #   each 1/sp of every packed row's tokens; None: no sequence parallelism
     metrics: dict = field(default_factory=dict)  # the transforms' own (a teacher's pass)
+    # grpo.top_entropy_quantile: per sample, 1 at the response tokens that keep their policy
+    #   gradient (forking_tokens); None: every token
+    forking: list | None = None
 
     @classmethod
     def per_sample(cls, samples: list, adv: torch.Tensor, seed: int, **fields) -> "Batch":
@@ -587,7 +660,8 @@ class Batch:
         """The samples idx, with what they carry."""
         return dataclasses.replace(
             self, samples=[self.samples[i] for i in idx], adv=[self.adv[i] for i in idx],
-            teacher=self.teacher.of(idx) if self.teacher is not None else None)
+            teacher=self.teacher.of(idx) if self.teacher is not None else None,
+            forking=[self.forking[i] for i in idx] if self.forking is not None else None)
 
     @property
     def sp(self) -> int:
@@ -610,10 +684,11 @@ class Settings:
 def token_inputs(batch: Batch, mb, old_logp, ref_logp, cfg: GRPOConfig, counts: tuple,
                  max_len: int) -> Tokens:
     """The loss's inputs for each of a micro-batch's K response tokens, on the host, in mb's
-    order: from the batch (its samples' per-token advantages, a teacher's top k) and, when given,
-    the old and reference logprobs (per-sample lists); with the old logprobs, the mismatch
-    weights from them; gspo on-policy, its sequence ratio 1. counts: the global mini-batch's
-    (tokens, sequences), which the aggregation divides by."""
+    order: from the batch (its samples' per-token advantages, a teacher's top k, the forking
+    tokens) and, when given, the old and reference logprobs (per-sample lists); with the old
+    logprobs, the mismatch weights from them; gspo and luspo on-policy, their sequence ratio 1.
+    counts: the global mini-batch's (tokens, sequences, tokens that keep a gradient), which the
+    aggregation and the entropy bonus divide by."""
     def cat(lists):
         return torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in lists])
 
@@ -623,11 +698,17 @@ def token_inputs(batch: Batch, mb, old_logp, ref_logp, cfg: GRPOConfig, counts: 
         old = cat(old_logp)
         weight = mb.flat(mismatch_weights(mb.padded(old), mb.padded(engine), mb.mask,
                                           cfg.is_correction, cfg.is_cap, cfg.is_cap_low))
-    elif cfg.policy_loss == "gspo":  # on-policy every sequence's ratio is exactly 1
+    elif cfg.policy_loss in SEQ_RATIO:  # on-policy every sequence's ratio is exactly 1
         ratio = torch.ones_like(engine)
-    teacher, coef = batch.teacher, mb.flat(loss_weights(mb.mask, cfg, *counts, max_len))
-    return Tokens(adv=torch.cat(batch.adv), coef=coef, written=mb.flat(mb.mask), engine=engine,
-                  old=old, is_weight=weight, seq_ratio=ratio,
+    teacher, coef = batch.teacher, mb.flat(loss_weights(mb.mask, cfg, *counts[:2], max_len))
+    written = mb.flat(mb.mask)
+    forking = torch.cat(batch.forking) if batch.forking is not None else None
+    bonus = None
+    if cfg.entropy_coef > 0:  # the mean over the tokens that keep a gradient, kept: counts[2]
+        bonus = written * (forking if forking is not None else 1) * (cfg.entropy_coef
+                                                                      / max(counts[2], 1))
+    return Tokens(adv=torch.cat(batch.adv), coef=coef, written=written, engine=engine,
+                  old=old, is_weight=weight, seq_ratio=ratio, forking=forking, ent_coef=bonus,
                   ref=cat(ref_logp) if ref_logp is not None else None,
                   top_ids=torch.cat(teacher.ids) if teacher is not None else None,
                   top_logp=torch.cat(teacher.logp) if teacher is not None else None,
@@ -655,8 +736,9 @@ class MicroLoss:
     """One micro-batch's loss as logprobs.run takes it: `loss(logp, k)`, grpo_loss on the tokens
     k (a slice of K); `whole`, whether it needs every token's logp of this forward before any
     gradient, and `with_whole(logp)`, the loss completed by them (a new MicroLoss): the mismatch
-    weights of on-policy seq modes, gspo's sequence ratios off-policy, the off-policy mask;
-    `dense(logp_all, p, k)`, the forward KL to a teacher's top k where there is one. t: this
+    weights of on-policy seq modes, gspo's and luspo's sequence ratios off-policy, vespo's
+    sequence ratios, the off-policy mask; `dense(logp_all, p, k)`, the forward KL to a
+    teacher's top k where there is one; `entropy_weights(k)`, the entropy bonus's. t: this
     rank's tokens' inputs; full: every token's (sequence parallel; else t itself)."""
     t: Tokens
     full: Tokens
@@ -667,7 +749,8 @@ class MicroLoss:
     def whole(self) -> bool:
         cfg, off = self.cfg, self.t.old is not None
         return ((not off and cfg.is_correction in SEQ_IS_MODES)
-                or (off and cfg.policy_loss == "gspo") or cfg.off_policy_delta > 0)
+                or (off and cfg.policy_loss in SEQ_RATIO) or cfg.off_policy_delta > 0
+                or (cfg.policy_loss == "vespo" and (off or cfg.is_correction != "none")))
 
     def with_whole(self, logp) -> "MicroLoss":
         """logp: (K,) every token's logprob under this forward, detached."""
@@ -680,9 +763,16 @@ class MicroLoss:
             found["is_weight"] = mb.mine(mb.flat(mismatch_weights(
                 mb.padded(logp), mb.padded(full.engine), mb.mask, cfg.is_correction, cfg.is_cap,
                 cfg.is_cap_low)))
-        if self.t.old is not None and cfg.policy_loss == "gspo":
+        if self.t.old is not None and cfg.policy_loss in SEQ_RATIO:
             found["seq_ratio"] = mine(sequence_ratio(mb.padded(logp), mb.padded(full.old),
                                                      mb.mask))
+        if cfg.policy_loss == "vespo":  # on-policy the old logprobs are these, the weights new
+            old = full.old if full.old is not None else logp
+            weight = full.is_weight if full.is_weight is not None else mb.flat(mismatch_weights(
+                mb.padded(logp), mb.padded(full.engine), mb.mask, cfg.is_correction, cfg.is_cap,
+                cfg.is_cap_low))
+            found["seq_log_w"] = mine(vespo_log_w(mb.padded(logp), mb.padded(old),
+                                                  mb.padded(weight), mb.mask))
         if cfg.off_policy_delta > 0:  # a row's tokens carry one advantage: their sum has its sign
             found["seq_keep"] = mine(off_policy_keep(
                 mb.padded(logp), mb.padded(full.engine), mb.mask,
@@ -691,6 +781,10 @@ class MicroLoss:
 
     def __call__(self, logp, k: slice):
         return grpo_loss(logp, self.t[k], self.cfg)
+
+    def entropy_weights(self, k: slice):
+        """The tokens k's weights in the entropy bonus (the loss gains -sum w H), or None."""
+        return None if self.t.ent_coef is None else self.t.ent_coef[k]
 
     def dense(self, logp_all, p, k: slice):
         """The forward KL to the teacher's top k at the tokens k: (loss, dL/d(logits / T)), or
@@ -711,7 +805,10 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
     once) and sums for the metrics: clipped tokens, entropy and the loss, 0-dim tensors left on
     the device."""
     g, samples, device = cfg.grpo, batch.samples, cfg.device
-    counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples))])
+    kept = (sum(s.model_tokens for s in samples) if batch.forking is None  # the bonus's tokens
+            else float(sum(f.sum() for f in batch.forking)))
+    counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples)),
+                           float(kept)])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
     counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks: the same samples
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
@@ -741,6 +838,46 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
     return logprobs.per_sample(found, len(samples)), stats
 
 
+def forking_tokens(samples: list, entropy: list, rho: float, split) -> tuple[list, float]:
+    """grpo.top_entropy_quantile's selection (Wang et al. 2025, arXiv 2506.01939; TRL 1.16's
+    get_high_entropy_mask): the tokens the model wrote whose entropy is at least the (1 - rho)
+    quantile of every rank's written tokens' entropies (linear interpolation, as torch.quantile).
+    entropy: each sample's (n_i,) per response token. Returns each sample's (n_i,) fp32 1/0 mask
+    and the threshold. A sequence-parallel group's ranks hold the same samples: its first
+    rank's count. One all-gather of sizes and one of values (gloo: host tensors)."""
+    mine = torch.cat([torch.zeros(0), *written(samples, entropy)]).double()
+    if split is not None and split.rank > 0:
+        mine = mine[:0]
+    values = gather_all(mine)
+    threshold = quantile(values, 1 - rho) if values.numel() else math.inf
+    return [(torch.as_tensor(e).double() >= threshold).float()
+            * (1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float32))
+            for s, e in zip(samples, entropy)], threshold
+
+
+def gather_all(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-d host tensor x, of any length, concatenated in rank order (x itself
+    without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return x
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([x.numel()]))
+    longest = max(int(n) for n in sizes)
+    parts = [x.new_zeros(longest) for _ in sizes]
+    dist.all_gather(parts, torch.cat([x, x.new_zeros(longest - x.numel())]))
+    return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
+
+
+def quantile(x: torch.Tensor, q: float) -> float:
+    """torch.quantile(x, q) (linear interpolation between the two nearest ranks) for a 1-d x of
+    any length (torch.quantile refuses more than 2^24 values)."""
+    v = x.sort().values
+    pos = q * (v.numel() - 1)
+    lo = min(int(math.floor(pos)), v.numel() - 1)
+    hi = min(lo + 1, v.numel() - 1)
+    return float(v[lo] + (pos - lo) * (v[hi] - v[lo]))
+
+
 def written(samples: list, per_token: list) -> list:
     """Each sample's per-response-token values (a tensor or a list) at the tokens the model
     wrote (records.Sample.mask), as tensors."""
@@ -766,10 +903,16 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
     g, samples, t = cfg.grpo, batch.samples, time.perf_counter()
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
     # update's own forward; otherwise it is recomputed once, before the first optimizer step
-    on_policy = g.ppo_epochs == 1 and g.mini_batches == 1
-    old_logp = (None if on_policy
-                else logprobs.sample_logprobs(actor, samples, cfg, replay=True,
-                                              split=batch.split))
+    on_policy, old_logp = g.ppo_epochs == 1 and g.mini_batches == 1, None
+    forks = g.top_entropy_quantile < 1  # the tokens' entropies, from the same pass
+    if forks or not on_policy:
+        found = logprobs.sample_pass(actor, samples, cfg, entropy=forks, replay=True,
+                                     split=batch.split)
+        old_logp = None if on_policy else found["logp"]
+    if forks:
+        keep, threshold = forking_tokens(samples, found["entropy"], g.top_entropy_quantile,
+                                         batch.split)
+        batch = dataclasses.replace(batch, forking=keep)
     ref_logp = None
     if ref is not None:  # the frozen reference: out of host memory, or the actor's base (LoRA)
         with fsdp_utils.reference(ref):
@@ -796,8 +939,13 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
             opt.zero_grad(set_to_none=True)
     clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
     sums = {"clipped": clipped, "entropy": entropy, "loss_tokens": loss_tokens}
-    return {**update_metrics(batch, old_logp, ref_logp, g, sums, router),
-            "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
+    out = {**update_metrics(batch, old_logp, ref_logp, g, sums, router),
+           "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
+    if forks:  # the share of the model's tokens that kept their gradient, and the bar
+        out.update(forking_frac=tracking.Mean(sum(float(k.sum()) for k in keep) / batch.sp,
+                                              sum(s.model_tokens for s in samples) / batch.sp),
+                   entropy_threshold=tracking.Max(threshold))
+    return out
 
 
 def update_metrics(batch: Batch, old_logp: list, ref_logp, cfg: GRPOConfig, sums: dict,

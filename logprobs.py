@@ -287,27 +287,42 @@ def _renormalise(logp_all, p, outside) -> None:
     logp_all.sub_(mass.log_())
 
 
+def _entropies(logp_all, p) -> torch.Tensor:
+    """(c, V) log softmax and softmax -> (c,) each row's entropy -sum p log p, as c dot
+    products (no (c, V) temporary); p 0 where logp_all is not to be read (outside a nucleus)."""
+    return -(p[:, None, :] @ logp_all[:, :, None])[:, 0, 0]
+
+
 @torch.no_grad()
 def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: int = 0,
-               top_p: float = 1.0):
-    """(K, H), (K,) targets -> (K,) fp32 log softmax(logits / T) of the targets, over the
-    nucleus at top_p < 1 (_outside_nucleus, renormalised as _chunk_grad does); with top_k > 0,
-    (that, (K, k) the k largest logprobs of each row, (K, k) their token ids)."""
-    out = torch.empty(h.shape[0], dtype=_wide(h.dtype), device=h.device)
+               top_p: float = 1.0, entropy: bool = False) -> dict:
+    """(K, H), (K,) targets -> {"logp": (K,) fp32 log softmax(logits / T) of the targets}, over
+    the nucleus at top_p < 1 (_outside_nucleus, renormalised as _chunk_grad does); with top_k >
+    0, "top_logp" and "top_ids" (K, k), the k largest logprobs of each row and their token ids;
+    with entropy, "entropy" (K,), each row's sampling distribution's (_chunk_grad's)."""
+    wide, K = _wide(h.dtype), h.shape[0]
     k = min(top_k, weight.shape[0])
-    top = torch.empty(h.shape[0], k, dtype=out.dtype, device=h.device)
-    ids = torch.empty(h.shape[0], k, dtype=torch.long, device=h.device)
-    for s in range(0, h.shape[0], chunk):
-        z = _logits(h[s:s + chunk], weight, bias, temperature)  # (c, V)
+    out = {"logp": torch.empty(K, dtype=wide, device=h.device)}
+    if k:
+        out.update(top_logp=torch.empty(K, k, dtype=wide, device=h.device),
+                   top_ids=torch.empty(K, k, dtype=torch.long, device=h.device))
+    if entropy:
+        out["entropy"] = torch.empty(K, dtype=wide, device=h.device)
+    for s in range(0, K, chunk):
+        rows = slice(s, s + chunk)
+        z = _logits(h[rows], weight, bias, temperature)  # (c, V)
         logp = z.log_softmax(-1)  # (c, V)
         if top_p < 1:
-            outside = _outside_nucleus(z, top_p, targets[s:s + chunk])
+            outside = _outside_nucleus(z, top_p, targets[rows])
             _renormalise(logp, torch.exp(logp, out=z), outside)
+        if entropy:
+            out["entropy"][rows] = _entropies(logp, z if top_p < 1 else torch.exp(logp, out=z))
+        if top_p < 1:
             logp.masked_fill_(outside, -float("inf"))
-        out[s:s + chunk] = logp.gather(1, targets[s:s + chunk, None])[:, 0]
+        out["logp"][rows] = logp.gather(1, targets[rows, None])[:, 0]
         if k:
-            torch.topk(logp, k, dim=1, out=(top[s:s + chunk], ids[s:s + chunk]))
-    return (out, top, ids) if top_k else out
+            torch.topk(logp, k, dim=1, out=(out["top_logp"][rows], out["top_ids"][rows]))
+    return out
 
 
 def top_k_forward_kl(logp_all, p, ids, target, coef):
@@ -340,7 +355,9 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, row
     and the entropy are of it. loss.dense(logp_all, p, rows) is a term of the whole
     distribution (c, V), of the full softmax whatever top_p (a teacher's token outside the
     nucleus would make a KL to it infinite): its loss and its gradient with respect to
-    logits / T (top_k_forward_kl), or (0, None)."""
+    logits / T (top_k_forward_kl), or (0, None). loss.entropy_weights(rows): (c,) weights b of
+    an entropy bonus, or None: the loss gains -sum b H over the rows, H the sampling
+    distribution's entropy, its gradient with the logprobs' (no more (c, V) buffers)."""
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
     outside = _outside_nucleus(z, top_p, targets) if top_p < 1 else None  # (c, V) bool
     logp_all = z.log_softmax(-1)  # (c, V)
@@ -349,7 +366,13 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, row
     if outside is not None:  # the nucleus: p_S = p / p(S) on S, 0 off it
         _renormalise(logp_all, p, outside)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
-    entropy = -logp_all.mul_(p).sum(1) @ written.to(z.dtype)  # -sum p log p, in logp_all
+    rows_h = _entropies(logp_all, p)  # (c,) -sum p log p
+    entropy = rows_h @ written.to(z.dtype)
+    bonus = loss.entropy_weights(rows)  # (c,) or None: the loss gains -sum bonus x H
+    if bonus is not None:  # dH/dz = -p (log p + H): d(-b H)/dz = b p (log p + H), in logp_all
+        bonus = bonus.to(z.dtype)
+        extra = extra - rows_h @ bonus
+        bonus = logp_all.add_(rows_h[:, None]).mul_(p).mul_(bonus[:, None])
     del logp_all
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
@@ -363,6 +386,8 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, row
     dz.scatter_add_(1, targets[:, None], dlogp[:, None])
     if g is not None:
         dz.add_(g, alpha=1 / temperature)
+    if bonus is not None:
+        dz.add_(bonus, alpha=1 / temperature)
     return logp, entropy, value.detach() + extra, clipped, dz.to(h.dtype)
 
 
@@ -379,7 +404,8 @@ class _FusedOutputLayer(torch.autograd.Function):
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
         if loss.whole:  # the loss needs every token's logp before any gradient
-            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk, top_p=top_p)
+            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk,
+                              top_p=top_p)["logp"]
             loss = loss.with_whole(logp if mb.local is None  # sequence parallel: every rank's
                                    else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
@@ -417,27 +443,27 @@ class _FusedOutputLayer(torch.autograd.Function):
 
 
 def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0,
-        top_p: float = 1.0) -> dict:
+        top_p: float = 1.0, entropy: bool = False) -> dict:
     """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
     (K,) fp32 logprobs of the response tokens under softmax(logits / temperature), over the
     nucleus that vLLM's sampler keeps at top_p < 1, renormalised (_outside_nucleus) (detached);
     without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
-    likely tokens. With a loss (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss,
-    clip count), a sum of per-token terms): also "loss" (0-dim; its backward() runs the model's
+    likely tokens, and with entropy, "entropy" (K,), each token's distribution's. With a loss
+    (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss, clip count), a sum of
+    per-token terms): also "loss" (0-dim; its backward() runs the model's
     backward), "entropy" and "clipped" (0-dim sums over the K tokens, on the device). Where
     loss.whole, the loss first takes every token's logp (no gradient; loss.with_whole returns
     the completed loss) before the gradient pass: one more pass over the vocabulary, for a loss
-    that needs whole sequences first. loss.dense: a term of each token's whole distribution
-    (_chunk_grad). Sequence parallel (mb.local): the sums and the loss are this rank's tokens',
+    that needs whole sequences first. loss.dense: a term of each token's whole distribution;
+    loss.entropy_weights: an entropy bonus (_chunk_grad). Sequence parallel (mb.local): the sums and the loss are this rank's tokens',
     the logprobs every token's (one all-gather in the group)."""
     head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
         if loss is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            found = _logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
-                               mb.targets, temperature, chunk, top_k, top_p)
-            out.update(zip(("logp", "top_logp", "top_ids"), found) if top_k else [("logp", found)])
+            out.update(_logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
+                                  mb.targets, temperature, chunk, top_k, top_p, entropy))
             return out["logp"]
         return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
                                        loss, out, top_p)
@@ -450,8 +476,8 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k:
     if loss is not None:
         out["loss"] = result.logits
     if mb.local is not None:  # sequence parallel: every token's, from the group's ranks
-        for name in ("logp", "top_logp", "top_ids"):
-            if name in out:
+        for name in ("logp", "top_logp", "top_ids", "entropy"):
+            if name in out and out[name].dim():
                 out[name] = seq_parallel.gather_tokens(out[name], mb.bounds, mb.split)
     return out
 
@@ -504,27 +530,37 @@ def per_sample(found: list, n: int) -> list:
 def sample_logprobs(model, samples: list, cfg, replay: bool = False, split=None) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
     (n_i,) fp32 CPU tensors. cfg: grpo.Settings (its grpo section's micro_batch_tokens, pack and
-    logprob_chunk; pad_id, device, temperature, top_p); replay and split: sample_top_k's."""
-    return sample_top_k(model, samples, cfg, 0, replay, split)[0]
+    logprob_chunk; pad_id, device, temperature, top_p); replay and split: sample_pass's."""
+    return sample_pass(model, samples, cfg, replay=replay, split=split)["logp"]
 
 
 @torch.no_grad()
 def sample_top_k(model, samples: list, cfg, k: int, replay: bool = False, split=None) -> tuple:
-    """sample_logprobs, and with k > 0 at each response token the k most likely tokens too:
-    (logprobs, their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors,
-    each from one read back (three with k > 0). replay: a mixture of experts routes by the
-    samples' routing where they carry it (moe.routing; the actor's passes, not a reference's).
-    split: the seq_parallel.Split whose ranks hold these same samples, each running its share of
-    every row (a model built with model.sp_size), or None."""
+    """sample_logprobs, and at each response token the k most likely tokens too: (logprobs,
+    their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors (None at
+    k 0)."""
+    found = sample_pass(model, samples, cfg, k, replay=replay, split=split)
+    return found["logp"], found.get("top_logp"), found.get("top_ids")
+
+
+@torch.no_grad()
+def sample_pass(model, samples: list, cfg, top_k: int = 0, entropy: bool = False,
+                replay: bool = False, split=None) -> dict:
+    """One pass without gradient over the samples: {"logp": each sample's (n_i,) fp32 response-
+    token logprobs}, with top_k > 0 "top_logp" and "top_ids" ((n_i, k) each: every token's k
+    most likely tokens), with entropy "entropy" ((n_i,): its sampling distribution's); lists of
+    CPU tensors, each from one read back. cfg: grpo.Settings. replay: a mixture of experts
+    routes by the samples' routing where they carry it (moe.routing; the actor's passes, not a
+    reference's). split: the seq_parallel.Split whose ranks hold these same samples, each
+    running its share of every row (a model built with model.sp_size), or None."""
     model.eval()
-    g = cfg.grpo
-    found = {name: [] for name in ("logp", "top_logp", "top_ids")}
+    g, found = cfg.grpo, {}
     for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack, model.config, split):
         batch = [samples[i] for i in idx] or [DUMMY]
         mb = to_device(micro_batch(batch, cfg.pad_id, g.pack, model.config, split), cfg.device)
         with moe.routing(model, mb.routing if replay else None):
-            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=k, top_p=cfg.top_p)
+            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=top_k, top_p=cfg.top_p,
+                      entropy=entropy)
         for name, x in out.items():
-            found[name].append((idx, x, mb.lengths))
-    return tuple(per_sample(x, len(samples)) if name == "logp" or k else None
-                 for name, x in found.items())
+            found.setdefault(name, []).append((idx, x, mb.lengths))
+    return {name: per_sample(x, len(samples)) for name, x in found.items()}

@@ -49,6 +49,19 @@ VARIANTS = {
              "--grpo.is_correction=seq_mask", "--grpo.clip_low=3e-4", "--grpo.clip_high=4e-4"],
     "cispo": ["--grpo.policy_loss=cispo", "--grpo.clip_high=4.0"],
     "sapo": ["--grpo.policy_loss=sapo"],
+    "seq_mask": ["--grpo.is_correction=seq_mask"],
+    # off-policy (4 optimizer steps a rollout), where a trust region or a bound can act
+    "dppo_tv": ["--grpo.policy_loss=dppo_tv", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
+                "--grpo.clip_low=0.1", "--grpo.clip_high=0.1"],
+    "dppo_kl": ["--grpo.policy_loss=dppo_kl", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2",
+                "--grpo.clip_low=0.05", "--grpo.clip_high=0.05"],
+    "dual_clip": ["--grpo.dual_clip=3", "--grpo.ppo_epochs=2", "--grpo.mini_batches=2"],
+    "luspo": ["--grpo.policy_loss=luspo", "--grpo.loss_agg=seq_sum",
+              "--grpo.is_correction=seq_mask", "--grpo.clip_low=3e-4", "--grpo.clip_high=4e-4"],
+    "vespo": ["--grpo.policy_loss=vespo"],
+    "entropy_bonus": ["--grpo.entropy_coef=0.01"],
+    "forking_tokens": ["--grpo.top_entropy_quantile=0.2"],
+    "top_p": ["--rollout.top_p=0.9"],
 }
 WINDOW = 10  # steps in the reward's moving mean
 

@@ -4,6 +4,8 @@ itself, and the Ascend fused attention kernel's contract. Nothing here is called
 """
 
 
+import math
+
 import torch
 
 import grpo
@@ -28,20 +30,32 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 25
     return total
 
 
-def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, engine=None):
+def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, engine=None,
+                 forking=None):
     """Each token's term of GRPO's loss on (N, T) padded tensors, adv (N,): the surrogate of
     grpo.policy_loss (PPO's clipped surrogate of exp(logp - old_logp); GSPO's of each
-    sequence's geometric-mean ratio over `mask`, differentiated through that mean; CISPO's
-    detached capped ratio times logp; SAPO's gate), times the mismatch weight, plus kl_coef times
-    the KL estimate; and where the surrogate cut the gradient. Written apart from
-    grpo.grpo_loss, each from its paper's formula."""
+    sequence's geometric-mean ratio over `mask`, differentiated through that mean, LUSPO's the
+    same; CISPO's detached capped ratio times logp; SAPO's gate; VESPO's detached gamma weight
+    of each sequence's ratio, the mismatch weights inside it, times A logp), times the mismatch
+    weight (not VESPO's), times `forking` (N, T) where given, plus kl_coef times the KL
+    estimate; and where the surrogate cut the gradient. Written apart from grpo.grpo_loss, each
+    from its paper's formula."""
     ratio = (logp - old_logp).exp()
     a = adv[:, None]
     policy = getattr(cfg, "policy_loss", "ppo")
-    if policy == "gspo":  # s_i = exp(mean over the sequence of log ratios), one per row
+    if policy in ("gspo", "luspo"):  # s_i = exp(mean over the sequence of log ratios), a row's
         ratio = (((logp - old_logp) * mask).sum(1, keepdim=True)
                  / mask.sum(1, keepdim=True).clamp(min=1)).exp().expand_as(logp)
-    if policy == "cispo":
+    if policy == "vespo":  # VESPO (arXiv 2602.10693), as TRL 1.16's get_gamma_weights
+        floor = math.log(1e-8)
+        log_w = (((logp.detach() - old_logp).clamp(-20, 20) * mask).sum(1, keepdim=True)
+                 + (is_weight.log().clamp(floor, 20) * mask).sum(1, keepdim=True)).clamp(floor, 20)
+        k = torch.where(a >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(a >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        phi = (lam + k * log_w - lam * log_w.exp()).exp()  # (N, 1)
+        surrogate, cut = phi * a * logp, (phi < 0.5).expand_as(logp)
+        is_weight = torch.ones_like(is_weight)  # inside phi already
+    elif policy == "cispo":
         weight = ratio.detach().clamp(max=1 + cfg.clip_high)
         surrogate, cut = weight * a * logp, ratio > 1 + cfg.clip_high
     elif policy in ("dppo_tv", "dppo_kl"):  # DPPO (arXiv 2602.04879): sg(min(r, cap)) A log p
@@ -71,6 +85,8 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, 
         n = mask.sum(1, keepdim=True).clamp(min=1)
         kl = ((engine - logp.detach()) * mask).sum(1, keepdim=True) / n
         terms = terms * ~((a < 0) & (kl > cfg.off_policy_delta))
+    if forking is not None:  # the high-entropy tokens alone keep a policy gradient
+        terms = terms * forking
     if ref_logp is not None and cfg.kl_coef > 0:  # unbiased: times pi / pi_old (DeepSeek-V3.2)
         kl = grpo.kl_penalty(logp, ref_logp, cfg.kl_estimator)
         terms = terms + cfg.kl_coef * kl * ((logp - old_logp).exp()
@@ -79,11 +95,12 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, 
 
 
 def padded_loss(logp, old_logp, adv, mask, cfg, n_tokens: float, n_seqs: float, max_len: int,
-                is_weight, ref_logp=None, engine=None):
+                is_weight, ref_logp=None, engine=None, forking=None):
     """GRPO's loss over a padded batch (N, T), normalised over a global mini-batch of n_tokens
     response tokens in n_seqs sequences (grpo.loss_weights), and the (N, T) bool tokens where
     the surrogate cut the gradient, on the mask."""
-    terms, cut = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp, mask, engine)
+    terms, cut = padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp, mask, engine,
+                              forking)
     weights = grpo.loss_weights(mask, cfg, n_tokens, n_seqs, max_len)
     return (terms * weights).sum(), cut & mask.bool()
 

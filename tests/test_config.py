@@ -106,7 +106,7 @@ def test_shipped_config_loads(tiny):
     ("--rollout.sleep_level=3", 1, "rollout.sleep_level=3"),
     ("--rollout.sync_by=layer", 1, "rollout.sync_by='layer': use one of unit, tensor"),
     ("--model.param_dtype=bfloat16", 1, "rollout.sync_by=unit gathers in model.param_dtype=bf"),
-    ("--grpo.loss_agg=seq_sum", 1, "grpo.loss_agg='seq_sum': use one of"),
+    ("--grpo.loss_agg=seq_total", 1, "grpo.loss_agg='seq_total': use one of"),
     ("--grpo.kl_estimator=k4", 1, "grpo.kl_estimator='k4'"),
     ("--grpo.is_correction=clip", 1, "grpo.is_correction='clip'"),
     ("--grpo.overlong=cut", 1, "grpo.overlong='cut'"),

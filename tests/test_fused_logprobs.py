@@ -82,10 +82,14 @@ def by_hand(mask, samples):
     return hand
 
 
-def fused_and_unfused(arch, variant, dtype, turns=False):
+def fused_and_unfused(arch, variant, dtype, turns=False, extra=None):
     """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
     the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
-    samples are multi-turn episodes, and the unfused statement applies their masks by hand."""
+    samples are multi-turn episodes, and the unfused statement applies their masks by hand.
+    extra: more grpo fields, and "forking": True for a random half of the model's tokens as the
+    ones that keep their policy gradient (grpo.Batch.forking)."""
+    extra = dict(extra or {})
+    forks = extra.pop("forking", False)
     agg, low, high, kl, est, mode, on_policy, temp = variant[:8]
     policy = variant[8] if len(variant) > 8 else "ppo"  # POLICY_VARIANTS
     unbiased = len(variant) > 9 and variant[9]  # and the KL term's ratio
@@ -101,7 +105,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
                         # so that some sequences leave it
                         is_cap=1.1 if mode == "seq_geo_mask" else 1.5,
                         policy_loss=policy, kl_unbiased=unbiased, off_policy_delta=delta,
-                        dual_clip=dual)
+                        dual_clip=dual, **extra)
     gen = torch.Generator().manual_seed(3)
     adv = torch.randn(len(samples), generator=gen)
     twin, logits, targets, mask, _ = hf_logits(model, samples)
@@ -120,9 +124,13 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
         s.logp = [x if w else 0.0 for x, w in zip(e.tolist(), s.mask or [1] * len(e))]  # 0: not sampled
     hand = by_hand(mask, samples)  # the response tokens the model wrote
     old, ref = (None if on_policy else near(0.3)), (near(0.5) if kl else None)
+    forking = [(torch.rand(len(s.response_ids), generator=gen) < 0.5).float()
+               * torch.tensor(s.mask or [1] * len(s.response_ids), dtype=torch.float32)
+               for s in samples] if forks else None
     model.zero_grad()
-    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), old, ref,
-                                             reference.settings(g, temp))
+    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv,
+                                                                       forking=forking),
+                                             old, ref, reference.settings(g, temp))
     fused = {"loss": stats["loss"], "entropy": stats["entropy"], "clipped": stats["clipped"],
              "logp": torch.cat(logps), **{n: p.grad for n, p in model.named_parameters()}}
 
@@ -131,12 +139,18 @@ def fused_and_unfused(arch, variant, dtype, turns=False):
     old_pad = lp.detach() if on_policy else pad(old)
     w = grpo.mismatch_weights(old_pad, pad([s.logp for s in samples]), hand, mode, g.is_cap)
     engine = pad([s.logp for s in samples])
+    fork = pad(forking) if forks else None
     loss, clipped = reference.padded_loss(lp, old_pad, adv.to(dtype), hand.to(dtype), g,
                                           float(hand.sum()), float(len(samples)), 64, w,
-                                          pad(ref) if kl else None, engine)
+                                          pad(ref) if kl else None, engine, fork)
+    if g.entropy_coef:  # the bonus: minus coef x the mean entropy over the tokens kept
+        logq = (logits / temp).to(dtype).log_softmax(-1)
+        h = -(logq.exp() * logq).sum(-1)  # (n, T-1), differentiable
+        on = hand.to(dtype) * (fork if forks else 1)
+        loss = loss - g.entropy_coef * (h * on).sum() / on.sum()
     loss.backward()
     terms = reference.padded_terms(lp.detach(), old_pad, adv.to(dtype), g, w,
-                                   pad(ref) if kl else None, hand.to(dtype), engine)[0]
+                                   pad(ref) if kl else None, hand.to(dtype), engine, fork)[0]
     scale = (terms * grpo.loss_weights(hand.to(dtype), g, float(hand.sum()), float(len(samples)),
                                        64)).abs().sum()  # the size of the loss's terms
     unfused = {"loss": loss.detach(), "clipped": clipped.sum(), "logp": lp[m].detach(),
@@ -227,6 +241,47 @@ def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_
             assert abs(unbounded["loss"] - fused["loss"]) > 100 * tol * scale
     if variant[8] in ("gspo", "cispo", "ppo", "dppo_tv", "dppo_kl") and not variant[6]:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the cut took part
+
+
+# the objectives of 2026: (the fields above, then more grpo fields). VESPO on-policy takes the
+# first pass for its sequences' mismatch weights, off-policy for their ratios; LUSPO as GSPO;
+# the entropy bonus and the forking tokens, each alone and together, on- and off-policy
+NEW_OBJECTIVES = [
+    (("token_mean", 0.2, 0.2, 0.0, "k3", "tis", True, 1.0, "vespo"), {}),
+    (("token_mean", 0.2, 0.2, 0.05, "k3", "token_mask", False, 0.7, "vespo"), {}),
+    (("seq_mean", 0.2, 0.2, 0.0, "k3", "none", False, 1.0, "vespo"), {"vespo_k_pos": 1.0}),
+    (("seq_sum", 3e-4, 4e-4, 0.0, "k3", "seq_mask", False, 1.0, "luspo"), {}),
+    (("seq_sum", 0.2, 0.2, 0.05, "k1", "none", True, 0.7, "luspo"), {}),
+    (("token_mean", 0.2, 0.2, 0.0, "k3", "tis", True, 0.7, "ppo"), {"entropy_coef": 0.05}),
+    (("seq_mean", 0.2, 0.2, 0.05, "k3", "tis", False, 1.0, "cispo"),
+     {"entropy_coef": 0.05, "forking": True}),
+    (("token_mean", 0.2, 0.2, 0.0, "k3", "seq_mask", True, 1.0, "ppo"), {"forking": True}),
+]
+
+
+@pytest.mark.parametrize("arch, turns", [("qwen2", False), ("qwen2", True)],
+                         ids=["qwen2", "qwen2-multi-turn"])
+@pytest.mark.parametrize("variant, extra", NEW_OBJECTIVES,
+                         ids=["-".join(map(str, v + tuple(e))) for v, e in NEW_OBJECTIVES])
+def test_fused_equals_unfused_for_the_new_objectives(arch, turns, variant, extra, world_of_one):
+    """VESPO, LUSPO, the entropy bonus (its gradient, dense over the vocabulary, computed in the
+    fused pass) and the forking tokens against their statements in tests/reference.py and an
+    autograd entropy of transformers' logits, with test_fused_equals_unfused's tolerances; and
+    each of them takes part: the loss differs from PPO's with the token mean."""
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        fused, unfused, _, scale = fused_and_unfused(arch, variant, dtype, turns, extra)
+        assert abs(fused["loss"] - unfused["loss"]) < tol * max(scale, 1e-3)
+        for name in ("entropy", "logp"):
+            assert rel(torch.as_tensor(fused[name]).double(),
+                       torch.as_tensor(unfused[name]).double()) < tol, name
+        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
+        top = max(unfused[k].abs().max() for k in grads)
+        for name in grads:
+            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
+        assert fused["clipped"] == unfused["clipped"]
+        plain = fused_and_unfused(arch, ("token_mean",) + variant[1:8] + ("ppo",), dtype,
+                                  turns)[0]  # PPO's loss and aggregation, nothing more
+        assert abs(plain["loss"] - fused["loss"]) > 100 * tol * max(scale, 1e-3)
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[3:4],

@@ -193,7 +193,8 @@ def test_on_policy_gradient_is_reinforce(agg):
                         n_tokens=8.0, n_seqs=4.0, max_len=5)
     loss.backward()
     for i, length in enumerate([3, 1]):
-        w = {"token_mean": 1 / 8, "seq_mean": 1 / (4 * length), "constant": 1 / (4 * 5)}[agg]
+        w = {"token_mean": 1 / 8, "seq_mean": 1 / (4 * length), "constant": 1 / (4 * 5),
+             "seq_sum": 1 / 4}[agg]
         expect = [-adv[i] * w] * length + [0.0] * (4 - length)
         assert torch.allclose(logp.grad[i], torch.tensor(expect, dtype=torch.float64))
 

@@ -98,7 +98,8 @@ def hf_twin(model):
 
 class WeightedLoss:
     """A stand-in of grpo.MicroLoss for logprobs.run: the sum of w x logp over the tokens, and
-    their logp summed as the "clipped" count; no whole-sequence pass, no dense term."""
+    their logp summed as the "clipped" count; no whole-sequence pass, no dense term, no entropy
+    bonus."""
     whole = False
 
     def __init__(self, w):
@@ -109,6 +110,9 @@ class WeightedLoss:
 
     def dense(self, logp_all, p, k):
         return 0.0, None
+
+    def entropy_weights(self, k):
+        return None
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -34,6 +34,13 @@ def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
     summed over tokens (here: under loss_agg's weights); gradient r_hat A, never cut.
     SAPO (arXiv 2511.20347): each token's f(r) A, f(r) = 4 / tau sigmoid(tau (r - 1)), tau the
     positive or negative advantage's; gradient 4 sigmoid (1 - sigmoid) r A.
+    LUSPO (arXiv 2602.05261, as TRL 1.16's luspo: GSPO's per-token loss summed over each
+    sequence, then averaged over sequences): GSPO's term times the sequence's length |y_i|.
+    VESPO (arXiv 2602.10693, as TRL 1.16's get_gamma_weights): w_i = prod over its tokens of
+    p / p_old and of the mismatch weight (each log clamped: ratios to [-20, 20], weights and the
+    sum to [log 1e-8, 20]), phi_i = e^lam w^k e^(-lam w) (k, lam those of the sign of A_i), each
+    token's sg(phi_i) A_i log pi, under loss_agg's weights, the mismatch weight not applied
+    again; gradient phi_i A_i (times the weight), cut where phi_i < 0.5.
     DPPO (arXiv 2602.04879, as verl's dppo_tv / dppo_kl compute it): each token's
     sg(min(r, cap)) A log pi times 1 inside the trust region, 0 outside: with p, q the current
     and old probabilities, inside for A > 0 when p - q <= eps_h (TV) or KL(Bern(q) || Bern(p))
@@ -45,16 +52,31 @@ def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
         toks = [t for t in range(len(logp[i])) if mask[i][t]]
         n = len(toks)
         row_grad, row_cut = [0.0] * len(logp[i]), [False] * len(logp[i])
-        if policy == "gspo":
+        if policy in ("gspo", "luspo"):  # luspo: the sequence's term times its length n
             s = math.exp(sum(logp[i][t] - old[i][t] for t in toks) / n)
             bounded = min(max(s, 1 - g.clip_low), 1 + g.clip_high)
             w = weight[i][toks[0]]  # a sequence's weight (gspo takes seq_mask or none)
-            loss += -min(s * adv[i], bounded * adv[i]) * w / n_seqs
+            length = n if policy == "luspo" else 1
+            loss += -min(s * adv[i], bounded * adv[i]) * w * length / n_seqs
             for t in toks:
                 row_cut[t] = s * adv[i] > bounded * adv[i]
-                row_grad[t] = 0.0 if row_cut[t] else -adv[i] * s / n * w / n_seqs
+                row_grad[t] = 0.0 if row_cut[t] else -adv[i] * s / n * w * length / n_seqs
+        if policy == "vespo":  # w: the product of the ratios to old and of the mismatch weights
+            floor = math.log(1e-8)
+            log_w = sum(min(max(logp[i][t] - old[i][t], -20), 20) for t in toks) \
+                + sum(min(max(math.log(weight[i][t]) if weight[i][t] > 0 else -math.inf, floor),
+                          20) for t in toks)
+            w_seq = math.exp(min(max(log_w, floor), 20))
+            k, lam = ((g.vespo_k_pos, g.vespo_lambda_pos) if adv[i] >= 0
+                      else (g.vespo_k_neg, g.vespo_lambda_neg))
+            phi = math.exp(lam) * w_seq ** k * math.exp(-lam * w_seq)
         for t in toks:
-            if policy == "gspo":
+            if policy in ("gspo", "luspo"):
+                continue
+            if policy == "vespo":
+                coef = {"token_mean": 1 / n_tokens, "seq_mean": 1 / (n * n_seqs)}[g.loss_agg]
+                loss += -phi * adv[i] * logp[i][t] * coef
+                row_grad[t], row_cut[t] = -phi * adv[i] * coef, phi < 0.5
                 continue
             coef = {"token_mean": 1 / n_tokens, "seq_mean": 1 / (n * n_seqs),
                     "constant": 1 / (n_seqs * max_len)}[g.loss_agg]
@@ -87,11 +109,15 @@ def naive(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
 
 
 def ours(policy, logp, old, adv, mask, g, n_tokens, n_seqs, max_len, weight):
-    """grpo.grpo_loss on the flattened case, gspo's sequence ratios from grpo.sequence_ratio as
-    its first pass makes them: the loss, the gradient, the cut tokens."""
+    """grpo.grpo_loss on the flattened case, gspo's and luspo's sequence ratios from
+    grpo.sequence_ratio and vespo's from grpo.vespo_log_w, as the first pass makes them: the
+    loss, the gradient, the cut tokens."""
     t = tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=weight)
-    if policy == "gspo":
+    if policy in ("gspo", "luspo"):
         t = dataclasses.replace(t, seq_ratio=grpo.sequence_ratio(logp, old, mask)
+                                .expand_as(mask).reshape(-1))
+    if policy == "vespo":
+        t = dataclasses.replace(t, seq_log_w=grpo.vespo_log_w(logp, old, weight, mask)
                                 .expand_as(mask).reshape(-1))
     loss, _ = grpo.grpo_loss(logp.reshape(-1), t, g)
     loss.backward()
@@ -105,16 +131,21 @@ CASES = [("gspo", "seq_mean", 3e-4, 4e-4), ("gspo", "seq_mean", 0.2, 0.2),
          ("cispo", "constant", 0.2, 4.0), ("sapo", "token_mean", 0.2, 0.2),
          ("sapo", "seq_mean", 0.2, 0.2),
          ("dppo_tv", "token_mean", 0.03, 0.05), ("dppo_tv", "seq_mean", 0.05, 0.03),
-         ("dppo_kl", "token_mean", 0.005, 0.01), ("dppo_kl", "constant", 0.01, 0.005)]
+         ("dppo_kl", "token_mean", 0.005, 0.01), ("dppo_kl", "constant", 0.01, 0.005),
+         ("luspo", "seq_sum", 3e-4, 4e-4), ("luspo", "seq_sum", 0.2, 0.2),
+         ("vespo", "token_mean", 0.2, 0.2), ("vespo", "seq_mean", 0.2, 0.2)]
 
 
 @pytest.mark.parametrize("policy, agg, low, high", CASES)
 def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
     logp, old, _, weight, adv, mask = loss_case()
-    if policy == "gspo":  # one weight per sequence (seq_mask's kind)
+    if policy in ("gspo", "luspo"):  # one weight per sequence (seq_mask's kind)
         weight = weight[:, :1].expand_as(weight).clone()
+    if policy == "vespo":  # token_mask's kind: a token outside the band weighs 0, its w 1e-8
+        weight[1, 2] = 0.0
+        old = old * 0.5 - 0.5  # sequences' w on both sides of phi's peak
     g = GRPOConfig(policy_loss=policy, loss_agg=agg, clip_low=low, clip_high=high,
-                   is_correction="seq_mask" if policy == "gspo" else "tis")
+                   is_correction="seq_mask" if policy in ("gspo", "luspo") else "tis")
     grpo.validate(g)
     args = (g, 10.0, 3.0, 6)  # n_tokens, n_seqs, max_len of the "global batch"
     lists = [x.tolist() for x in (logp, old, adv, mask, weight)]
@@ -126,6 +157,9 @@ def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
                                 for cr, mr in zip(want_cut, mask.tolist())]
     if policy.startswith("dppo"):  # the case has tokens in and out of the trust region
         assert got_cut[mask.bool()].any() and not got_cut[mask.bool()].all()
+    if policy == "vespo":  # phi took values far from 1 both ways, and the masked token's 0
+        phi = grpo.vespo_phi(grpo.vespo_log_w(logp, old, weight, mask), adv[:, None], g)[:, 0]
+        assert phi.max() > 1.05 and 0 < phi.min() < 0.5 and phi[1] < 1e-20, phi
 
 
 @pytest.mark.parametrize("c", [1.2, 3.0])
@@ -168,17 +202,21 @@ def test_dual_clip_refusals():
     grpo.validate(GRPOConfig(dual_clip=3.0))
 
 
-@pytest.mark.parametrize("policy", ["gspo", "cispo", "sapo", "dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("policy", ["gspo", "luspo", "cispo", "sapo", "dppo_tv", "dppo_kl",
+                                    "vespo"])
 def test_on_policy_every_surrogate_is_reinforce(policy):
-    """Ratio 1 (old = logp): GSPO's s = 1, CISPO's weight 1, SAPO's gate slope 1: the gradient is
-    -A times the aggregation's weight of the token, as for PPO."""
+    """Ratio 1 (old = logp): GSPO's and LUSPO's s = 1, CISPO's weight 1, SAPO's gate slope 1,
+    VESPO's phi(1) = 1: the gradient is -A times the aggregation's weight of the token, as for
+    PPO (LUSPO's aggregation: each sequence's sum)."""
     logp = torch.randn(2, 4, dtype=torch.float64).requires_grad_()
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
-    g = GRPOConfig(policy_loss=policy, loss_agg="seq_mean", is_correction="none")
+    agg = "seq_sum" if policy == "luspo" else "seq_mean"
+    g = GRPOConfig(policy_loss=policy, loss_agg=agg, is_correction="none")
     ours(policy, logp, logp.detach(), adv, mask, g, 8.0, 4.0, 5, torch.ones_like(mask))
     for i, length in enumerate([3, 1]):
-        expect = [-adv[i].item() / (4 * length)] * length + [0.0] * (4 - length)
+        per = 4 if policy == "luspo" else 4 * length
+        expect = [-adv[i].item() / per] * length + [0.0] * (4 - length)
         assert torch.allclose(logp.grad[i], torch.tensor(expect, dtype=torch.float64))
 
 
@@ -201,6 +239,11 @@ def test_hand_computed_values():
     # SAPO, tau 1 (A > 0): -(4 sigmoid(0.6487) * 2 + 4 sigmoid(0) * 2) / 2
     want = -(4 * sigmoid(math.exp(0.5) - 1) + 4 * 0.5)
     assert abs(value("sapo") - want) < 1e-12
+    # LUSPO: GSPO's clipped -2.4 times the sequence's 2 tokens
+    assert abs(value("luspo", loss_agg="seq_sum") - -4.8) < 1e-12
+    # VESPO: w = e^0.5 (a product, not GSPO's mean), phi = e^(3 + 2 x 0.5 - 3 w) = 0.388;
+    # -(phi 2 (-1) + phi 2 (-2)) / 2 = 3 phi
+    assert abs(value("vespo") - 3 * math.exp(4 - 3 * math.exp(0.5))) < 1e-12
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -211,13 +254,21 @@ def test_hand_computed_values():
     ({"policy_loss": "sapo", "clip_high": 0.28}, "ignores grpo.clip_high=0.28"),
     ({"policy_loss": "sapo", "clip_low": 0.1, "clip_high": 0.3},
      "ignores grpo.clip_low=0.1 and grpo.clip_high=0.3"),
-    ({"policy_loss": "cispo", "clip_low": 0.1}, "ignores grpo.clip_low=0.1")])
+    ({"policy_loss": "cispo", "clip_low": 0.1}, "ignores grpo.clip_low=0.1"),
+    ({"policy_loss": "luspo"}, "grpo.loss_agg=seq_sum"),
+    ({"policy_loss": "luspo", "loss_agg": "seq_sum"}, "grpo.is_correction=seq_mask"),
+    ({"policy_loss": "vespo", "is_correction": "seq_mask"}, "grpo.is_correction=tis or token_"),
+    ({"policy_loss": "vespo", "clip_high": 0.28}, "ignores grpo.clip_high=0.28"),
+    ({"policy_loss": "vespo", "dual_clip": 3.0}, "grpo.dual_clip=0")])
 def test_combinations_the_papers_rule_out_are_refused(overrides, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.")):
         grpo.validate(GRPOConfig(**overrides))
     for fine in ({"policy_loss": "gspo", "loss_agg": "seq_mean", "is_correction": "seq_mask",
                   "clip_low": 3e-4, "clip_high": 4e-4}, {"policy_loss": "cispo", "clip_high": 4.0},
-                 {"policy_loss": "sapo", "sapo_tau_neg": 2.0}):
+                 {"policy_loss": "sapo", "sapo_tau_neg": 2.0},
+                 {"policy_loss": "luspo", "loss_agg": "seq_sum", "is_correction": "seq_mask",
+                  "dual_clip": 3.0},
+                 {"policy_loss": "vespo", "is_correction": "token_mask", "vespo_k_neg": 2.0}):
         grpo.validate(GRPOConfig(**fine))
 
 

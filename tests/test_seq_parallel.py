@@ -33,7 +33,7 @@ def test_sp_2_updates_as_sp_1(tiny_models, tmp_path, kv_heads):
             AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     out = launch(["tests/workers/sp_parity.py", str(path)])
     assert out.count("SP_PARITY_OK") == 2, out[-3000:]
-    assert out.count("sp 2 equals sp 1") == 6
+    assert out.count("sp 2 equals sp 1") == 8
 
 
 def test_the_option_is_refused_where_it_cannot_work(tiny_task_dir, tiny_models, tmp_path):

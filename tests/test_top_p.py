@@ -45,10 +45,11 @@ def test_the_kept_set_is_vllms():
             assert kept.sum() < kept.numel()  # something was dropped
 
 
-def naive(model, samples, w, temperature, top_p):
+def naive(model, samples, w, temperature, top_p, bonus=None):
     """The plain statement on transformers' own logits (padded batch, sdpa): each target's
-    log softmax over vLLM's kept set and itself, the sum of w x logp differentiated by autograd;
-    the entropy of that distribution; and which targets were outside the set."""
+    log softmax over vLLM's kept set and itself, the sum of w x logp (minus the sum of bonus x
+    each row's entropy, where given) differentiated by autograd; the entropy of that
+    distribution per row; and which targets were outside the set."""
     twin = hf_twin(model.float()).double()
     twin.load_state_dict(model.double().state_dict())  # fp64 all along
     ids, attn, targets, mask, _ = reference.pad_batch(samples, 0)
@@ -60,10 +61,10 @@ def naive(model, samples, w, temperature, top_p):
     kept = kept.scatter(1, t[:, None], True)
     logp_all = rows.masked_fill(~kept, -float("inf")).log_softmax(-1)
     logp = logp_all.gather(1, t[:, None])[:, 0]
-    (logp * w).sum().backward()
-    p = logp_all.detach().exp()
-    entropy = -(p * logp_all.detach().masked_fill(~kept, 0)).sum()
-    return logp.detach(), entropy, {n: p.grad for n, p in twin.named_parameters()}, outside
+    rows_h = -(logp_all.exp() * logp_all.masked_fill(~kept, 0)).sum(1)  # (K,)
+    ((logp * w).sum() - (0 if bonus is None else (rows_h * bonus).sum())).backward()
+    return logp.detach(), rows_h.detach(), {n: p.grad for n, p in twin.named_parameters()}, \
+        outside
 
 
 @pytest.mark.parametrize("top_p", [0.9, 0.6])
@@ -84,7 +85,7 @@ def test_fused_pass_is_the_nucleus_statement(top_p):
         out = logprobs.run(model, mb, 0.7, chunk, WeightedLoss(w), top_p=top_p)
         out["loss"].backward()
         assert (out["logp"] - lp_ref).abs().max() < 1e-10 * lp_ref.abs().max()
-        assert abs(out["entropy"] - ent_ref) < 1e-10 * ent_ref
+        assert abs(out["entropy"] - ent_ref.sum()) < 1e-10 * ent_ref.sum()
         for name, p in model.named_parameters():
             top = g_ref[name].abs().max()
             assert top > 0 and (p.grad - g_ref[name]).abs().max() < 1e-10 * top, name

@@ -3,7 +3,9 @@ every packed row, Ulysses attention) against sp_size=1 on the same samples (both
 all of them): each sample's logprobs, the loss, the entropy and the clipped tokens summed over
 the ranks, and every parameter's gradient, gathered whole; with per-token options, and with the
 sequence-level ones (seq_mask / seq_truncate weights, GSPO's ratio, the off-policy mask: every
-token's logprobs gathered in the group first). Then the old policy's pass.
+token's logprobs gathered in the group first), and VESPO with the entropy bonus on given
+forking tokens. Then the old policy's pass with its entropies, and top_entropy_quantile's
+threshold (grpo.forking_tokens) over every token once.
 Samples: five, 67 tokens in all, three micro-batches whose packed rows split mid-sample and one
 of odd length; an episode whose environment wrote 3 of its tokens. MODEL_DIR: a Qwen2 with 4
 query heads and KV_HEADS key/value heads (1: fewer than the ranks, replicated).
@@ -39,15 +41,22 @@ for prompt, response in ((3, 8), (7, 10), (2, 5), (9, 12), (4, 7)):
     samples.append(s)
 samples[3].mask = [1] * 4 + [0] * 3 + [1] * 5  # an environment's three tokens
 adv = torch.tensor([0.5, -1.0, 0.25, 1.5, -0.75], dtype=torch.float64)
-CASES = {  # the loss's options; old: an old policy's logprobs given (off-policy) or not
-    "token": ([], False),
+CASES = {  # the loss's options; old: an old policy's logprobs given (off-policy) or not;
+    # forks: grpo.Batch.forking given (the tokens that keep their policy gradient)
+    "token": ([], False, False),
     "sequence, on-policy": (["--grpo.is_correction=seq_truncate",
-                             "--grpo.off_policy_delta=0.05"], False),
+                             "--grpo.off_policy_delta=0.05"], False, False),
     "sequence, off-policy": (["--grpo.policy_loss=gspo", "--grpo.loss_agg=seq_mean",
                               "--grpo.is_correction=seq_mask", "--grpo.off_policy_delta=0.05"],
-                             True)}
+                             True, False),
+    "vespo, entropy bonus, forking tokens": (["--grpo.policy_loss=vespo",
+                                              "--grpo.is_correction=tis",
+                                              "--grpo.entropy_coef=0.1"], False, True)}
 old_logp = [torch.tensor(s.logp) - 0.1 * torch.rand(len(s.logp), generator=g, dtype=torch.float64)
             for s in samples]
+forking = [(torch.rand(len(s.response_ids), generator=g) < 0.5).float()
+           * torch.tensor(s.mask or [1] * len(s.response_ids), dtype=torch.float32)
+           for s in samples]
 got = {}
 for sp in (1, 2):
     spec = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float64", reduce_dtype="float64",
@@ -59,19 +68,32 @@ for sp in (1, 2):
     rows = [sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx)
             for idx in plan]
     assert len(plan) == 3 and any(r % 2 for r in rows), rows  # a row padded to a multiple of 2
-    for case, (options, off) in CASES.items():
+    for case, (options, off, forks) in CASES.items():
         c = load_config(None, [*BASE, *options]).grpo
         actor.zero_grad(set_to_none=True)
         logp, stats = grpo.accumulate_gradients(
-            actor, batch_of(samples, adv, split=split), old_logp if off else None, None,
-            grpo.Settings(c, 0, "cpu", 0.7, 16))
+            actor, batch_of(samples, adv, split=split, forking=forking if forks else None),
+            old_logp if off else None, None, grpo.Settings(c, 0, "cpu", 0.7, 16))
         sums = torch.stack([stats["loss"], stats["entropy"], stats["clipped"]])
         dist.all_reduce(sums)
         grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
         got[sp, case] = (logp, sums, grads)
-    got[sp, "old"] = logprobs.sample_logprobs(actor, samples, grpo.Settings(cfg, 0, "cpu", 0.7),
-                                              split=split)
-assert all((a - b).abs().max() < 1e-12 for a, b in zip(got[1, "old"], got[2, "old"]))
+    found = logprobs.sample_pass(actor, samples, grpo.Settings(cfg, 0, "cpu", 0.7),
+                                 entropy=True, split=split)
+    got[sp, "old"], got[sp, "entropy"] = found["logp"], found["entropy"]
+    # grpo.top_entropy_quantile's threshold, over every token once: at sp 2 a group's ranks
+    # hold the same samples (one counts); at sp 1 each rank takes half of them
+    mine = samples if sp == 2 else samples[rank::2]
+    ent = found["entropy"] if sp == 2 else found["entropy"][rank::2]
+    every = torch.cat(grpo.written(samples, found["entropy"])).double()
+    keep, threshold = grpo.forking_tokens(mine, ent, 0.3, split)
+    assert abs(threshold - torch.quantile(every, 0.7).item()) < 1e-12, (sp, threshold)
+    kept = torch.tensor([sum(float(k.sum()) for k in keep)])
+    if sp == 1:
+        dist.all_reduce(kept)
+    assert kept.item() == (every >= threshold).sum().item() > 0, (sp, kept)
+for name in ("old", "entropy"):
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(got[1, name], got[2, name])), name
 for case in CASES:
     (l1, s1, g1), (l2, s2, g2) = got[1, case], got[2, case]
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(l1, l2)), (case, "logprobs")
