@@ -289,7 +289,8 @@ def _renormalise(logp_all, p, outside) -> None:
 
 def _entropies(logp_all, p) -> torch.Tensor:
     """(c, V) log softmax and softmax -> (c,) each row's entropy -sum p log p, as c dot
-    products (no (c, V) temporary); p 0 where logp_all is not to be read (outside a nucleus)."""
+    products (no (c, V) temporary: the pass without gradient keeps logp_all); p 0 where
+    logp_all is not to be read (outside a nucleus)."""
     return -(p[:, None, :] @ logp_all[:, :, None])[:, 0, 0]
 
 
@@ -366,14 +367,15 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, row
     if outside is not None:  # the nucleus: p_S = p / p(S) on S, 0 off it
         _renormalise(logp_all, p, outside)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
-    rows_h = _entropies(logp_all, p)  # (c,) -sum p log p
+    plogp = logp_all.mul_(p)  # p log p, in logp_all (0 off the nucleus)
+    rows_h = -plogp.sum(1)  # (c,) each row's entropy
     entropy = rows_h @ written.to(z.dtype)
     bonus = loss.entropy_weights(rows)  # (c,) or None: the loss gains -sum bonus x H
-    if bonus is not None:  # dH/dz = -p (log p + H): d(-b H)/dz = b p (log p + H), in logp_all
+    if bonus is not None:  # dH/dz = -p (log p + H): d(-b H)/dz = b (p log p + p H), in place
         bonus = bonus.to(z.dtype)
         extra = extra - rows_h @ bonus
-        bonus = logp_all.add_(rows_h[:, None]).mul_(p).mul_(bonus[:, None])
-    del logp_all
+        bonus = plogp.addcmul_(p, rows_h[:, None]).mul_(bonus[:, None])
+    del logp_all, plogp
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
         value, clipped = loss(leaf, rows)
@@ -450,13 +452,14 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k:
     without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
     likely tokens, and with entropy, "entropy" (K,), each token's distribution's. With a loss
     (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss, clip count), a sum of
-    per-token terms): also "loss" (0-dim; its backward() runs the model's
-    backward), "entropy" and "clipped" (0-dim sums over the K tokens, on the device). Where
-    loss.whole, the loss first takes every token's logp (no gradient; loss.with_whole returns
-    the completed loss) before the gradient pass: one more pass over the vocabulary, for a loss
-    that needs whole sequences first. loss.dense: a term of each token's whole distribution;
-    loss.entropy_weights: an entropy bonus (_chunk_grad). Sequence parallel (mb.local): the sums and the loss are this rank's tokens',
-    the logprobs every token's (one all-gather in the group)."""
+    per-token terms): also "loss" (0-dim; its backward() runs the model's backward), "entropy"
+    and "clipped" (0-dim sums over the K tokens, on the device). Where loss.whole, the loss
+    first takes every token's logp (no gradient; loss.with_whole returns the completed loss)
+    before the gradient pass: one more pass over the vocabulary, for a loss that needs whole
+    sequences first. loss.dense: a term of each token's whole distribution;
+    loss.entropy_weights: an entropy bonus (_chunk_grad). Sequence parallel (mb.local): the
+    sums and the loss are this rank's tokens', the logprobs every token's (one all-gather in
+    the group)."""
     head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
