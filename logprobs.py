@@ -243,6 +243,16 @@ def to_device(x, device):
 # the output layer, a chunk of K rows at a time
 
 
+@dataclass(frozen=True)
+class Pass:
+    """How `run` goes over the output layer: the sampling distribution, softmax(logits /
+    temperature) over the nucleus that vLLM's sampler keeps at top_p < 1, and the rows of
+    logits a chunk holds."""
+    temperature: float
+    top_p: float
+    chunk: int
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the pass's sums: fp32, or the compute dtype if wider (fp64 in tests)."""
     return torch.promote_types(dtype, torch.float32)
@@ -295,12 +305,13 @@ def _entropies(logp_all, p) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: int = 0,
-               top_p: float = 1.0, entropy: bool = False) -> dict:
-    """(K, H), (K,) targets -> {"logp": (K,) fp32 log softmax(logits / T) of the targets}, over
-    the nucleus at top_p < 1 (_outside_nucleus, renormalised as _chunk_grad does); with top_k >
-    0, "top_logp" and "top_ids" (K, k), the k largest logprobs of each row and their token ids;
-    with entropy, "entropy" (K,), each row's sampling distribution's (_chunk_grad's)."""
+def _logp_pass(h, weight, bias, targets, how: Pass, top_k: int = 0,
+               entropy: bool = False) -> dict:
+    """(K, H), (K,) targets -> {"logp": (K,) fp32 log softmax(logits / T) of the targets} (T:
+    how.temperature), over the nucleus at how.top_p < 1 (_outside_nucleus, renormalised as
+    _chunk_grad does), how.chunk rows at a time; with top_k > 0, "top_logp" and "top_ids"
+    (K, k), the k largest logprobs of each row and their token ids; with entropy, "entropy"
+    (K,), each row's sampling distribution's (_chunk_grad's)."""
     wide, K = _wide(h.dtype), h.shape[0]
     k = min(top_k, weight.shape[0])
     out = {"logp": torch.empty(K, dtype=wide, device=h.device)}
@@ -309,9 +320,10 @@ def _logp_pass(h, weight, bias, targets, temperature: float, chunk: int, top_k: 
                    top_ids=torch.empty(K, k, dtype=torch.long, device=h.device))
     if entropy:
         out["entropy"] = torch.empty(K, dtype=wide, device=h.device)
-    for s in range(0, K, chunk):
-        rows = slice(s, s + chunk)
-        z = _logits(h[rows], weight, bias, temperature)  # (c, V)
+    top_p = how.top_p
+    for s in range(0, K, how.chunk):
+        rows = slice(s, s + how.chunk)
+        z = _logits(h[rows], weight, bias, how.temperature)  # (c, V)
         logp = z.log_softmax(-1)  # (c, V)
         if top_p < 1:
             outside = _outside_nucleus(z, top_p, targets[rows])
@@ -346,12 +358,11 @@ def top_k_forward_kl(logp_all, p, ids, target, coef):
     return kl @ coef.to(kl.dtype), g.mul_(coef.to(g.dtype)[:, None])
 
 
-def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, rows: slice,
-                top_p: float = 1.0):
+def _chunk_grad(h, weight, bias, targets, written, how: Pass, loss, rows: slice):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
     the sampling distribution over the chunk's rows where `written` (c,) is 1, the chunk's loss
     and clip count from loss(logp, rows) (plus loss.dense's), and dL/dlogits (c, V) in the
-    compute dtype. The sampling distribution: softmax(logits / T), and at top_p < 1 that over
+    compute dtype. The sampling distribution (how): softmax(logits / T), and at top_p < 1 that over
     the nucleus vLLM's sampler keeps (_outside_nucleus), renormalised, 0 elsewhere; the logp
     and the entropy are of it. loss.dense(logp_all, p, rows) is a term of the whole
     distribution (c, V), of the full softmax whatever top_p (a teacher's token outside the
@@ -359,8 +370,10 @@ def _chunk_grad(h, weight, bias, targets, written, temperature: float, loss, row
     logits / T (top_k_forward_kl), or (0, None). loss.entropy_weights(rows): (c,) weights b of
     an entropy bonus, or None: the loss gains -sum b H over the rows, H the sampling
     distribution's entropy, its gradient with the logprobs' (no more (c, V) buffers)."""
+    temperature = how.temperature
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
-    outside = _outside_nucleus(z, top_p, targets) if top_p < 1 else None  # (c, V) bool
+    outside = (_outside_nucleus(z, how.top_p, targets) if how.top_p < 1
+               else None)  # (c, V) bool
     logp_all = z.log_softmax(-1)  # (c, V)
     p = torch.exp(logp_all, out=z)  # (c, V) the full softmax, in z's memory
     extra, g = loss.dense(logp_all, p, rows)
@@ -400,14 +413,12 @@ class _FusedOutputLayer(torch.autograd.Function):
     in fp32 and is cast to the weight's dtype once; a frozen weight or bias gets none."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, mb: MicroBatch, temperature: float, chunk: int,
-                loss, out: dict, top_p: float):
+    def forward(ctx, hidden, weight, bias, mb: MicroBatch, how: Pass, loss, out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
         if loss.whole:  # the loss needs every token's logp before any gradient
-            logp = _logp_pass(h, weight, bias, mb.targets, temperature, chunk,
-                              top_p=top_p)["logp"]
+            logp = _logp_pass(h, weight, bias, mb.targets, how)["logp"]
             loss = loss.with_whole(logp if mb.local is None  # sequence parallel: every rank's
                                    else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
@@ -416,11 +427,10 @@ class _FusedOutputLayer(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, **f32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, **f32) if ctx.needs_input_grad[2] else None
         logps, total = [], {k: torch.zeros((), **f32) for k in ("loss", "entropy", "clipped")}
-        for s in range(0, h.shape[0], chunk):
-            k = slice(s, s + chunk)
+        for s in range(0, h.shape[0], how.chunk):
+            k = slice(s, s + how.chunk)
             logp, entropy, value, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                            written[k], temperature, loss, k,
-                                                            top_p)
+                                                            written[k], how, loss, k)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
@@ -441,7 +451,7 @@ class _FusedOutputLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
-        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 6
+        return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 4
 
 
 def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0,
@@ -460,16 +470,15 @@ def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k:
     loss.entropy_weights: an entropy bonus (_chunk_grad). Sequence parallel (mb.local): the
     sums and the loss are this rank's tokens', the logprobs every token's (one all-gather in
     the group)."""
-    head, out = model.get_output_embeddings(), {}
+    head, out, how = model.get_output_embeddings(), {}, Pass(temperature, top_p, chunk)
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
         if loss is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
             out.update(_logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
-                                  mb.targets, temperature, chunk, top_k, top_p, entropy))
+                                  mb.targets, how, top_k, entropy))
             return out["logp"]
-        return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, temperature, chunk,
-                                       loss, out, top_p)
+        return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, how, loss, out)
 
     head.forward = types.MethodType(forward, head)
     try:
