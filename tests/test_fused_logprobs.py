@@ -82,6 +82,22 @@ def by_hand(mask, samples):
     return hand
 
 
+def assert_agree(fused, unfused, tol: float, scale, every_weight: bool = False):
+    """fused_and_unfused's two results agree: the loss within tol x scale (the size of its
+    terms), the logprobs and the entropy within tol relative, every gradient within tol of the
+    largest, the clip count exactly; every_weight: each weight has a gradient."""
+    assert abs(fused["loss"] - unfused["loss"]) < tol * scale
+    for name in ("entropy", "logp"):
+        assert rel(torch.as_tensor(fused[name]).double(),
+                   torch.as_tensor(unfused[name]).double()) < tol, name
+    grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
+    top = max(unfused[k].abs().max() for k in grads)
+    for name in grads:
+        assert not every_weight or unfused[name].abs().max() > 0, name
+        assert (fused[name] - unfused[name]).abs().max() < tol * top, name
+    assert fused["clipped"] == unfused["clipped"]
+
+
 def fused_and_unfused(arch, variant, dtype, turns=False, extra=None):
     """The update's loss, logprobs, entropy, clip count and gradients, fused and unfused, with
     the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
@@ -178,16 +194,7 @@ def test_fused_equals_unfused(arch, turns, variant, world_of_one):
     # terms cancel.)
     for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
         fused, unfused, w, scale = fused_and_unfused(arch, variant, dtype, turns)
-        assert abs(fused["loss"] - unfused["loss"]) < tol * scale
-        for name in ("entropy", "logp"):
-            assert rel(torch.as_tensor(fused[name]).double(),
-                       torch.as_tensor(unfused[name]).double()) < tol, name
-        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
-        top = max(unfused[k].abs().max() for k in grads)
-        for name in grads:
-            assert unfused[name].abs().max() > 0, name  # every weight takes part
-            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
-    assert fused["clipped"] == unfused["clipped"]
+        assert_agree(fused, unfused, tol, scale, every_weight=True)
     if not on_policy:
         assert 0 < unfused["clipped"] < len(unfused["logp"])  # the clip took part
     if mode != "none":
@@ -221,18 +228,12 @@ POLICY_VARIANTS = [
                          ids=["-".join(map(str, v)) for v in POLICY_VARIANTS])
 def test_fused_equals_unfused_for_each_surrogate(arch, turns, variant, world_of_one):
     """The same comparison for grpo.policy_loss's surrogates, with the same tolerances (their
-    inputs enter the fused path in fp32 as PPO's do): the fused pass computes what each paper's
-    formula, written apart in tests/reference.py and differentiated by autograd, computes."""
+    inputs enter the fused path in fp32 as PPO's do): the fused pass computes what each
+    paper's formula, written apart in tests/reference.py and differentiated by autograd,
+    computes."""
     for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
         fused, unfused, _, scale = fused_and_unfused(arch, variant, dtype, turns)
-        assert abs(fused["loss"] - unfused["loss"]) < tol * scale
-        assert rel(torch.as_tensor(fused["logp"]).double(),
-                   torch.as_tensor(unfused["logp"]).double()) < tol
-        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
-        top = max(unfused[k].abs().max() for k in grads)
-        for name in grads:
-            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
-        assert fused["clipped"] == unfused["clipped"]
+        assert_agree(fused, unfused, tol, scale)
         if len(variant) > 10 and variant[10]:  # the mask dropped rows: without it the loss
             unmasked = fused_and_unfused(arch, variant[:10] + (0.0,), dtype, turns)[0]  # differs
             assert abs(unmasked["loss"] - fused["loss"]) > 100 * tol * scale
@@ -270,18 +271,10 @@ def test_fused_equals_unfused_for_the_new_objectives(arch, turns, variant, extra
     each of them takes part: the loss differs from PPO's with the token mean."""
     for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
         fused, unfused, _, scale = fused_and_unfused(arch, variant, dtype, turns, extra)
-        assert abs(fused["loss"] - unfused["loss"]) < tol * max(scale, 1e-3)
-        for name in ("entropy", "logp"):
-            assert rel(torch.as_tensor(fused[name]).double(),
-                       torch.as_tensor(unfused[name]).double()) < tol, name
-        grads = [k for k in unfused if k not in ("loss", "entropy", "clipped", "logp")]
-        top = max(unfused[k].abs().max() for k in grads)
-        for name in grads:
-            assert (fused[name] - unfused[name]).abs().max() < tol * top, name
-        assert fused["clipped"] == unfused["clipped"]
+        assert_agree(fused, unfused, tol, scale)
         plain = fused_and_unfused(arch, ("token_mean",) + variant[1:8] + ("ppo",), dtype,
                                   turns)[0]  # PPO's loss and aggregation, nothing more
-        assert abs(plain["loss"] - fused["loss"]) > 100 * tol * max(scale, 1e-3)
+        assert abs(plain["loss"] - fused["loss"]) > 100 * tol * scale
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[3:4],
