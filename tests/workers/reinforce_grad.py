@@ -4,7 +4,8 @@ With no mismatch correction, the first update of a rollout sees ratio 1 (on-poli
 recomputed by the same weights), so its gradient must equal that of
     -sum_i c_i A_i sum_t logp_it        (+ kl_coef * sum_i c_i sum_t k(logp_it, ref_it))
 over the samples of the first global mini-batch, where c_i is the aggregation's weight:
-1/N_tokens (token_mean), 1/(N_seqs |o_i|) (seq_mean), 1/(N_seqs max_new_tokens) (constant).
+1/N_tokens (token_mean), 1/(N_seqs |o_i|) (seq_mean), 1/(N_seqs max_new_tokens) (constant),
+1/N_seqs (seq_sum).
 The reference is an unsharded HF model and a per-sequence loop, written apart from the trainer.
 Also checked: the frozen FSDP2 reference returns the unsharded model's logprobs and takes no
 gradient; old_logp is recomputed only when there is more than one update per rollout.
@@ -86,16 +87,16 @@ class FirstStep:
         actor.zero_grad(set_to_none=set_to_none)
 
 
-recomputed = []
-real_sample_logprobs = logprobs.sample_logprobs
+recomputed = []  # the models of every pass without gradient (old policy, reference)
+real_sample_pass = logprobs.sample_pass
 
 
-def counting_sample_logprobs(model, *args, **kwargs):
+def counting_sample_pass(model, *args, **kwargs):
     recomputed.append(model)
-    return real_sample_logprobs(model, *args, **kwargs)
+    return real_sample_pass(model, *args, **kwargs)
 
 
-logprobs.sample_logprobs = counting_sample_logprobs
+logprobs.sample_pass = counting_sample_pass
 
 cases = [(agg, epochs, epochs, 0.0, "k3") for epochs in (1, 2) for agg in LOSS_AGGS]
 cases += [("seq_mean", 1, 1, 0.5, "k1"), ("token_mean", 2, 3, 0.5, "k3")]
@@ -120,7 +121,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
     for i in first:
         s = samples[i]
         c = {"token_mean": 1 / n_tokens, "seq_mean": 1 / (len(first) * len(s.response_ids)),
-             "constant": 1 / (len(first) * cfg.rollout.max_new_tokens)}[agg]
+             "constant": 1 / (len(first) * cfg.rollout.max_new_tokens),
+             "seq_sum": 1 / len(first)}[agg]
         lp = hf_logp(s)
         loss = loss - c * adv[i] * lp.sum()
         if kl_coef:  # the reference is the initial model: hf's own logp, detached
@@ -137,7 +139,7 @@ for agg, epochs, n_mb, kl_coef, est in cases:
 # Several real updates per rollout (PPO): every step's gradient equals that of the clipped
 # surrogate on an unsharded model trained alongside with the same splits, ratios taken against
 # the logprobs from before the first step.
-logprobs.sample_logprobs = real_sample_logprobs
+logprobs.sample_pass = real_sample_pass
 cfg.grpo.loss_agg, cfg.grpo.kl_coef = "token_mean", 0.0
 cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = 2, 2
 cfg.grpo.clip_low, cfg.grpo.clip_high = 0.1, 0.15
