@@ -61,6 +61,7 @@ VARIANTS = {
     "vespo": ["--grpo.policy_loss=vespo"],
     "entropy_bonus": ["--grpo.entropy_coef=0.01"],
     "forking_tokens": ["--grpo.top_entropy_quantile=0.2"],
+    "forking_half": ["--grpo.top_entropy_quantile=0.5"],
     "top_p": ["--rollout.top_p=0.9"],
 }
 WINDOW = 10  # steps in the reward's moving mean
