@@ -364,3 +364,35 @@ def test_off_policy_mask_against_its_loop():
     assert stats["off_policy_masked_frac"].total == 8 - sum(want)
     assert stats["off_policy_masked_frac"].count == 8
     assert grpo.off_policy_stats([], [], adv, 0.0) == {}  # off: no metric
+
+
+@pytest.mark.parametrize("cap_low", [0.0, 0.8])
+def test_the_modes_are_trls_formula(cap_low):
+    """TRL 1.16's vllm_importance_sampling_mode as _generate_and_score_completions writes it
+    (trl/trainer/grpo_trainer.py): the masked log difference old - sampling, summed over the
+    sequence for sequence_*, exp; *_truncate clamps to [clip_min, clip_max], *_mask fills 0
+    outside it. Ours with is_cap = clip_max and is_cap_low = clip_min (for seq_mask only where
+    given: ours defaults to 1/C where TRL has none) on the mask's tokens."""
+    g = torch.Generator().manual_seed(6)
+    engine = torch.randn(5, 7, generator=g, dtype=torch.float64) - 1
+    old = engine + torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.4
+    mask = (torch.rand(5, 7, generator=g) < 0.7).double()
+    mask[:, 0] = 1
+    cap = 1.5
+    pairs = [("tis", "token_truncate"), ("token_mask", "token_mask"),
+             ("seq_truncate", "sequence_truncate")]
+    if cap_low:
+        pairs.append(("seq_mask", "sequence_mask"))
+    for ours, theirs in pairs:
+        diff = (old - engine) * mask
+        if theirs.startswith("sequence"):
+            diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if theirs.endswith("truncate"):
+            ratio = torch.clamp(ratio, min=cap_low, max=cap)
+        else:
+            ratio = ratio.masked_fill((ratio < cap_low) | (ratio > cap), value=0.0)
+        want = ratio.expand_as(mask) * mask
+        got = grpo.mismatch_weights(old, engine, mask, ours, cap, cap_low) * mask
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max(), ours
+        assert (want == 0).sum() > (mask == 0).sum() or theirs.endswith("truncate"), ours
