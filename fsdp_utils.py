@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import hybrid
 import kernels
 import moe
 import npu_ops
@@ -253,6 +254,7 @@ class Family:
 FAMILIES = {
     "qwen2": Family(fused_kernels=True),
     "qwen3": Family(fused_kernels=True),
+    "qwen3_5_text": Family(),  # Qwen3.5's language model: Gated DeltaNet packed by hybrid.py
     "llama": Family(),
     "mistral": Family(),
 }
@@ -299,6 +301,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)
+    if hybrid.patch(hf_cfg):  # Gated DeltaNet layers: each sample of a packed row apart
+        log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
     lora = cfg.lora.rank > 0 and not reference
     dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
     experts = {}

@@ -1,0 +1,114 @@
+"""Hybrid models (Qwen3.5): their Gated DeltaNet layers on packed rows.
+
+Most of a Qwen3.5 decoder's layers are Gated DeltaNet (transformers 5.19,
+models/qwen3_5/modeling_qwen3_5.py, Qwen3_5GatedDeltaNet): a short causal convolution over the
+tokens (`causal_conv1d_fn`), then a recurrence whose state carries every earlier token
+(`torch_chunk_gated_delta_rule`). In a packed row (grpo.pack) neither may carry anything from
+one sample into the next. The layer hands both functions the row's boundaries
+(cu_seq_lens_q), but transformers' own torch versions ignore them: on a packed row, without
+the causal-conv1d and flash-linear-attention packages, every sample after the first reads the
+samples before it (tests/test_hybrid.py measures 0.4 on the logits of a tiny model). The
+packages take the boundaries in their kernels, on CUDA only; Ascend and CPU run the torch
+versions.
+
+`patch` replaces the two functions in the model's transformers module with `conv` and
+`chunk_rule`. On a packed row, these scatter the row into a right-padded (samples, longest, ...)
+batch, run the function they replace on it, and gather the outputs back, as
+fsdp_utils.packed_sdpa does for attention. Both are causal, so the right padding changes no
+real position, and each sample starts from a zero state and zero convolution inputs. Their
+cost is the padding's. Elsewhere (a padded batch, the engine's own model) they are the
+functions they replace, unchanged.
+"""
+
+import importlib
+
+import torch
+
+# model_type -> the transformers module whose functions the Gated DeltaNet layers call
+MODULES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
+           "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5"}
+FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+
+
+def has_linear_attention(config) -> bool:
+    """Whether a model's layers include Gated DeltaNet ones (config.layer_types)."""
+    text = getattr(config, "text_config", None) or config
+    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def patch(config) -> bool:
+    """Put `conv` and `chunk_rule` in place of the two functions in the transformers module of
+    this model_type (once a process; the originals kept as `_packed_original`). Returns whether
+    the model has Gated DeltaNet layers; raises for such a model of a type not in MODULES."""
+    if not has_linear_attention(config):
+        return False
+    if config.model_type not in MODULES:
+        raise ValueError(f"model_type {config.model_type!r} has linear-attention layers that "
+                         f"hybrid.py does not know: packed rows would leak state from one "
+                         f"sample into the next. Fix: add its module to hybrid.MODULES, or "
+                         f"grpo.pack=false")
+    module = importlib.import_module(MODULES[config.model_type])
+    for name, ours in zip(FUNCTIONS, (conv, chunk_rule)):
+        current = getattr(module, name)
+        if getattr(current, "_packed_original", None) is None:
+            wrapped = _with_original(ours, current)
+            setattr(module, name, wrapped)
+    return True
+
+
+def _with_original(ours, original):
+    def function(*args, **kwargs):
+        return ours(original, *args, **kwargs)
+    function._packed_original = original
+    function.__name__ = ours.__name__
+    return function
+
+
+def rows(cu_seq_lens, longest, length: int):
+    """A packed row's places: each of its `length` tokens' sample and position in it ((R,)
+    device tensors), the number of samples and the longest's length; or None for no row.
+    From the device's boundaries, with no read back to the host."""
+    if cu_seq_lens is None or longest is None:
+        return None
+    n = cu_seq_lens.shape[0] - 1
+    lens = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(n, device=lens.device), lens, output_size=length)
+    pos = torch.arange(length, device=lens.device) - cu_seq_lens[:-1].long()[seq]
+    return seq, pos, n, int(longest)
+
+
+def _spread(x, where, dim: int = 1):
+    """(1, R, ...) -> (n, longest, ...) zero-padded: each sample's tokens in its own row."""
+    seq, pos, n, longest = where
+    out = x.new_zeros(n, longest, *x.shape[dim + 1:])
+    out[seq, pos] = x[0]
+    return out
+
+
+def conv(original, hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' causal_conv1d_fn ((B, C, T) in and out), each sample of a packed row on its
+    own."""
+    where = rows(kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"),
+                 hidden_states.shape[-1])
+    if where is None:
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
+    seq, pos, _, _ = where
+    padded = _spread(hidden_states.transpose(1, 2), where)  # (n, longest, C)
+    out = original(padded.transpose(1, 2), weight, bias, activation=activation)
+    return out.transpose(1, 2)[seq, pos].T[None]  # (1, C, R)
+
+
+def chunk_rule(original, query, key, value, g, beta, cu_seqlens=None, **kwargs):
+    """transformers' torch_chunk_gated_delta_rule ((B, T, heads, dim) in and out, g and beta
+    (B, T, heads)), each sample of a packed row from a zero state. A packed row is a training
+    forward: no state comes in or goes out (the final state is None)."""
+    where = rows(cu_seqlens, kwargs.get("max_length_q"), query.shape[1])
+    if where is None:
+        return original(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
+    if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+        raise ValueError("hybrid.chunk_rule: a packed row carries no recurrent state in or out")
+    seq, pos, _, _ = where
+    keep = {k: v for k, v in kwargs.items() if k in ("chunk_size", "use_qk_l2norm_in_kernel")}
+    out, _ = original(*(_spread(x, where) for x in (query, key, value)),
+                      g=_spread(g, where), beta=_spread(beta, where), **keep)
+    return out[seq, pos][None], None

@@ -1,0 +1,112 @@
+"""Qwen3.5's Gated DeltaNet layers (hybrid.py) on packed rows, in fp64, on the tiny hybrid
+(tiny_task.build_tiny_model arch qwen3_5: linear, full, linear, full attention): each sample of
+a packed row gets exactly the logprobs it gets alone, and without hybrid.py's functions it
+does not (the state leaks); the fused pass's logprobs and gradients equal transformers' own
+forward of each sample alone, differentiated by autograd.
+
+Tolerance: the model in fp64, but transformers' chunked rule casts its inputs to fp32 whatever
+the model's dtype (torch_chunk_gated_delta_rule, "Make sure all tensors are fp32"). Packed and
+alone, each sample's recurrence is the same fp32 arithmetic on the same values (chunks of 64
+from its own start either way, one sample a batch row): 1e-10 relative on the logprobs. The
+gradients against transformers' forward of one sample at a time go through that fp32 rule's
+backward in batches of another shape: fp32 rounding, a few hundred terms of 2^-24 each, about
+1e-6 of the largest gradient (as tests/test_fused_logprobs.py bounds every weight's). A leak moves the logprobs by 1e-2 and more."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import fsdp_utils
+import hybrid
+import logprobs
+import tiny_task
+from records import Sample
+from test_packing import WeightedLoss
+
+
+def hybrid_model():
+    base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3_5")
+    assert hybrid.patch(base.config)
+    attn = fsdp_utils.register_attention("sdpa")
+    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn)
+    model.load_state_dict(base.state_dict())
+    return model.double()
+
+
+def samples_of(lengths, seed=0):
+    """Samples of (prompt, response) lengths: odd ones, one longer than the recurrence's chunk
+    of 64 tokens, and a row whose chunk boundaries fall inside samples."""
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(2, 15, (p,), generator=g).tolist(),
+                   torch.randint(2, 15, (r,), generator=g).tolist(),
+                   (-torch.rand(r, generator=g)).tolist(), False) for p, r in lengths]
+
+
+LENGTHS = [(3, 8), (31, 50), (1, 1), (7, 22), (5, 4)]  # 11, 81, 2, 29, 9: 132 tokens
+
+
+def logp_packed_and_alone(model, samples):
+    with torch.no_grad():
+        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
+                              16)["logp"]
+        alone = [logprobs.run(model, logprobs.micro_batch([s], 0, True, model.config), 0.7,
+                              16)["logp"] for s in samples]
+    return packed, torch.cat(alone)
+
+
+def test_a_packed_row_gives_each_sample_its_own_logprobs():
+    model, samples = hybrid_model(), samples_of(LENGTHS)
+    packed, alone = logp_packed_and_alone(model, samples)
+    assert (packed - alone).abs().max() < 1e-10 * alone.abs().max()
+
+
+def test_without_the_reset_the_state_leaks(monkeypatch):
+    """The mutation: transformers' own functions back in place (each ignores the row's
+    boundaries), every sample after the first reads the ones before it."""
+    import importlib
+    module = importlib.import_module(hybrid.MODULES["qwen3_5_text"])
+    model, samples = hybrid_model(), samples_of(LENGTHS)
+    for name in hybrid.FUNCTIONS:
+        monkeypatch.setattr(module, name, getattr(module, name)._packed_original)
+    packed, alone = logp_packed_and_alone(model, samples)
+    first = len(samples[0].response_ids)
+    assert (packed[:first] - alone[:first]).abs().max() < 1e-10 * alone.abs().max()
+    assert (packed[first:] - alone[first:]).abs().max() > 1e-3
+
+
+def test_the_fused_pass_is_transformers_forward_of_each_sample():
+    """logprobs.run's logprobs and gradients (of the sum of w x logp) on one packed row,
+    chunked by 5, against transformers' forward of each sample alone (its own functions: no
+    boundaries to keep), log softmax(logits / 0.7), summed and differentiated by autograd."""
+    model, samples = hybrid_model(), samples_of(LENGTHS, seed=1)
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
+                                            attn_implementation="sdpa").double()
+    twin.load_state_dict(model.state_dict())
+    K = sum(len(s.response_ids) for s in samples)
+    w = torch.randn(K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mb = logprobs.micro_batch(samples, 0, True, model.config)
+    out = logprobs.run(model, mb, 0.7, 5, WeightedLoss(w))
+    out["loss"].backward()
+    want, k = [], 0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        z = twin(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1:-1] / 0.7
+        lp = z.log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        want.append(lp)
+        (lp * w[k:k + len(lp)]).sum().backward()
+        k += len(lp)
+    want = torch.cat(want)
+    assert (out["logp"] - want.detach()).abs().max() < 1e-10 * want.abs().max()
+    top = max(q.grad.abs().max() for q in twin.parameters())
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert q.grad.abs().max() > 0 and (p.grad - q.grad).abs().max() < 1e-6 * top, name
+
+
+def test_an_unknown_hybrid_is_refused():
+    cfg = copy.deepcopy(tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").config)
+    cfg.model_type = "some_hybrid"
+    with pytest.raises(ValueError, match="grpo.pack=false"):
+        hybrid.patch(cfg)
+    assert not hybrid.patch(tiny_task.build_tiny_model(15, 1, 0, arch="qwen2").config)
