@@ -114,8 +114,9 @@ class ModelConfig:
 
     def check_model(self, cfg, text: dict) -> None:
         """sp_size against the model's attention heads, a mixture of experts' options against a
-        model that has experts, and adapters on a family we know (`text`: the model's
-        config.json, its language part). config.check_model calls it."""
+        model that has experts, what a hybrid model cannot do yet (hybrid.check), and adapters
+        on a family we know (`text`: the model's config.json, its language part).
+        config.check_model calls it."""
         heads, kind = text.get("num_attention_heads"), text.get("model_type")
         if self.sp_size > 1 and heads:
             try:
@@ -127,6 +128,7 @@ class ModelConfig:
                          ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
+        hybrid.check(text, self.sp_size, self.lora.rank)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "

@@ -21,8 +21,11 @@ functions they replace, unchanged.
 """
 
 import importlib
+import importlib.util
 
 import torch
+
+from domains import need
 
 # model_type -> the transformers module whose functions the Gated DeltaNet layers call
 MODULES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -34,6 +37,28 @@ def has_linear_attention(config) -> bool:
     """Whether a model's layers include Gated DeltaNet ones (config.layer_types)."""
     text = getattr(config, "text_config", None) or config
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def check(text: dict, sp_size: int, lora_rank: int) -> None:
+    """What a hybrid model (`text`: its config.json's language part) cannot do yet, refused in
+    one line before anything loads (fsdp_utils.ModelConfig.check_model calls it)."""
+    if "linear_attention" not in (text.get("layer_types") or ()):
+        return
+    kind = text.get("model_type")
+    need(kind in MODULES, f"model.path: model_type {kind!r} has linear-attention layers that "
+         "hybrid.py does not know, and packed rows would leak state from one sample into the "
+         "next. Fix: add its module to hybrid.MODULES")
+    need(sp_size == 1, f"model.sp_size={sp_size} on a hybrid model ({kind}): Ulysses splits "
+         "full attention by heads, not yet the Gated DeltaNet layers' convolution and "
+         "recurrence. Fix: model.sp_size=1")
+    need(not lora_rank, f"model.lora.rank={lora_rank} on a hybrid model ({kind}): adapters on "
+         "its Gated DeltaNet projections and their push into vLLM are not written yet. Fix: "
+         "model.lora.rank=0")
+    # vLLM 0.32's models/qwen3_5.py imports qwen3_vl.py, which imports transformers 5.19's
+    # Qwen2-VL image processor, which imports torchvision whatever the model's inputs
+    need(importlib.util.find_spec("torchvision") is not None, f"model.path: a {kind} model in "
+         "vLLM imports its vision processors, which need torchvision, and this environment has "
+         "none. Fix: install the torchvision built for this torch")
 
 
 def patch(config) -> bool:

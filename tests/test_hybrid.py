@@ -111,3 +111,27 @@ def test_an_unknown_hybrid_is_refused():
     with pytest.raises(ValueError, match="grpo.pack=false"):
         hybrid.patch(cfg)
     assert not hybrid.patch(tiny_task.build_tiny_model(15, 1, 0, arch="qwen2").config)
+
+
+def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
+    """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism,
+    adapters, and (where there is no torchvision, as on these machines) the engine's import."""
+    import importlib.util
+
+    import config
+    from train_grpo import load_config, resolve
+
+    path = tmp_path / "model"
+    tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").save_pretrained(path)
+
+    def refused(*overrides):
+        cfg = resolve(load_config(None, [f"--model.path={path}", *overrides]))
+        with pytest.raises(config.BadInput) as e:
+            config.check_model(cfg)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "model.sp_size=1" in refused("--model.sp_size=2")
+    assert "model.lora.rank=0" in refused("--model.lora.rank=8")
+    if importlib.util.find_spec("torchvision") is None:
+        assert "torchvision" in refused()
