@@ -8,7 +8,7 @@ one sample into the next. The layer hands both functions the row's boundaries
 (cu_seq_lens_q), but transformers' own torch versions ignore them: on a packed row, without
 the causal-conv1d and flash-linear-attention packages, every sample after the first reads the
 samples before it (tests/test_hybrid.py measures 0.4 on the logits of a tiny model). The
-packages take the boundaries in their kernels, on CUDA only; Ascend and CPU run the torch
+packages take the boundaries in their kernels, on GPUs only; Ascend and CPU run the torch
 versions.
 
 `patch` replaces the two functions in the model's transformers module with `conv` and
