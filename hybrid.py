@@ -27,6 +27,10 @@ import torch
 
 from domains import need
 
+# the oldest transformers whose Gated DeltaNet layer calls these module-level functions with the
+# row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none
+TRANSFORMERS = "5.19"
+
 # model_type -> the transformers module whose functions the Gated DeltaNet layers call
 MODULES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
            "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5"}
@@ -45,6 +49,9 @@ def check(text: dict, sp_size: int, lora_rank: int) -> None:
     if "linear_attention" not in (text.get("layer_types") or ()):
         return
     kind = text.get("model_type")
+    need(transformers_ok(), f"model.path: a {kind} model's packed rows need transformers >= "
+         f"{TRANSFORMERS} here (hybrid.py); this one is {_transformers()}. Fix: upgrade "
+         "transformers")
     need(kind in MODULES, f"model.path: model_type {kind!r} has linear-attention layers that "
          "hybrid.py does not know, and packed rows would leak state from one sample into the "
          "next. Fix: add its module to hybrid.MODULES")
@@ -61,6 +68,18 @@ def check(text: dict, sp_size: int, lora_rank: int) -> None:
          "none. Fix: install the torchvision built for this torch")
 
 
+def _transformers() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def transformers_ok() -> bool:
+    """Whether this transformers' Gated DeltaNet layers call the functions `patch` replaces,
+    with the row's boundaries (TRANSFORMERS and later)."""
+    from packaging.version import Version
+    return Version(_transformers()) >= Version(TRANSFORMERS)
+
+
 def patch(config) -> bool:
     """Put `conv` and `chunk_rule` in place of the two functions in the transformers module of
     this model_type (once a process; the originals kept as `_packed_original`). Returns whether
@@ -72,6 +91,9 @@ def patch(config) -> bool:
                          f"hybrid.py does not know: packed rows would leak state from one "
                          f"sample into the next. Fix: add its module to hybrid.MODULES, or "
                          f"grpo.pack=false")
+    if not transformers_ok():
+        raise ValueError(f"a {config.model_type} model's packed rows need transformers >= "
+                         f"{TRANSFORMERS} (hybrid.py); this one is {_transformers()}")
     module = importlib.import_module(MODULES[config.model_type])
     for name, ours in zip(FUNCTIONS, (conv, chunk_rule)):
         current = getattr(module, name)
