@@ -54,7 +54,7 @@ DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], trun
 # attention_mask, dict)`). Given None instead, create_causal_mask reads the position ids back to
 # the host once per forward (masking_utils.find_packed_sequence_indices) for any attention whose
 # mask function is registered (flash_attention_2 is; fsdp_utils' packed_sdpa is not).
-# Not qwen3_5_text: transformers 5.5.4 (the NPU stack's) takes no dict there
+# Not qwen3_5_text: transformers 5.5.4 (the Ascend stack's) takes no dict there
 # (Qwen3_5TextModel._update_linear_attn_mask); given None, neither version reads anything back
 # for packed_sdpa or the fused attention, which register no mask function.
 PREPARED_MASKS = ("qwen2", "qwen3")
