@@ -49,12 +49,8 @@ def check(text: dict, sp_size: int, lora_rank: int) -> None:
     if "linear_attention" not in (text.get("layer_types") or ()):
         return
     kind = text.get("model_type")
-    need(transformers_ok(), f"model.path: a {kind} model's packed rows need transformers >= "
-         f"{TRANSFORMERS} here (hybrid.py); this one is {_transformers()}. Fix: upgrade "
-         "transformers")
-    need(kind in MODULES, f"model.path: model_type {kind!r} has linear-attention layers that "
-         "hybrid.py does not know, and packed rows would leak state from one sample into the "
-         "next. Fix: add its module to hybrid.MODULES")
+    problem = unsupported(kind)
+    need(problem is None, f"model.path: {problem}")
     need(sp_size == 1, f"model.sp_size={sp_size} on a hybrid model ({kind}): Ulysses splits "
          "full attention by heads, not yet the Gated DeltaNet layers' convolution and "
          "recurrence. Fix: model.sp_size=1")
@@ -66,6 +62,19 @@ def check(text: dict, sp_size: int, lora_rank: int) -> None:
     need(importlib.util.find_spec("torchvision") is not None, f"model.path: a {kind} model in "
          "vLLM imports its vision processors, which need torchvision, and this environment has "
          "none. Fix: install the torchvision built for this torch")
+
+
+def unsupported(kind: str) -> str | None:
+    """Why this process cannot pack a hybrid model of this model_type (its state would leak
+    from one sample into the next), with the fix; None where it can."""
+    if not transformers_ok():
+        return (f"a {kind} model's packed rows need transformers >= {TRANSFORMERS} here "
+                f"(hybrid.py); this one is {_transformers()}. Fix: upgrade transformers")
+    if kind not in MODULES:
+        return (f"model_type {kind!r} has linear-attention layers that hybrid.py does not "
+                "know, and packed rows would leak state from one sample into the next. Fix: "
+                "add its module to hybrid.MODULES")
+    return None
 
 
 def _transformers() -> str:
@@ -83,17 +92,12 @@ def transformers_ok() -> bool:
 def patch(config) -> bool:
     """Put `conv` and `chunk_rule` in place of the two functions in the transformers module of
     this model_type (once a process; the originals kept as `_packed_original`). Returns whether
-    the model has Gated DeltaNet layers; raises for such a model of a type not in MODULES."""
+    the model has Gated DeltaNet layers; raises where `unsupported` says why it cannot."""
     if not has_linear_attention(config):
         return False
-    if config.model_type not in MODULES:
-        raise ValueError(f"model_type {config.model_type!r} has linear-attention layers that "
-                         f"hybrid.py does not know: packed rows would leak state from one "
-                         f"sample into the next. Fix: add its module to hybrid.MODULES, or "
-                         f"grpo.pack=false")
-    if not transformers_ok():
-        raise ValueError(f"a {config.model_type} model's packed rows need transformers >= "
-                         f"{TRANSFORMERS} (hybrid.py); this one is {_transformers()}")
+    problem = unsupported(config.model_type)
+    if problem is not None:
+        raise ValueError(problem)
     module = importlib.import_module(MODULES[config.model_type])
     for name, ours in zip(FUNCTIONS, (conv, chunk_rule)):
         current = getattr(module, name)
@@ -124,10 +128,10 @@ def rows(cu_seq_lens, longest, length: int):
     return seq, pos, n, int(longest)
 
 
-def _spread(x, where, dim: int = 1):
+def _spread(x, where):
     """(1, R, ...) -> (n, longest, ...) zero-padded: each sample's tokens in its own row."""
     seq, pos, n, longest = where
-    out = x.new_zeros(n, longest, *x.shape[dim + 1:])
+    out = x.new_zeros(n, longest, *x.shape[2:])
     out[seq, pos] = x[0]
     return out
 

@@ -117,7 +117,7 @@ def test_the_fused_pass_is_transformers_forward_of_each_sample():
 def test_an_unknown_hybrid_is_refused():
     cfg = copy.deepcopy(tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").config)
     cfg.model_type = "some_hybrid"
-    with pytest.raises(ValueError, match="grpo.pack=false"):
+    with pytest.raises(ValueError, match="add its module to hybrid.MODULES"):
         hybrid.patch(cfg)
     assert not hybrid.patch(tiny_task.build_tiny_model(15, 1, 0, arch="qwen2").config)
 
