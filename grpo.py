@@ -805,10 +805,10 @@ def accumulate_gradients(actor, batch: Batch, old_logp, ref_logp, cfg: Settings,
     once) and sums for the metrics: clipped tokens, entropy and the loss, 0-dim tensors left on
     the device."""
     g, samples, device = cfg.grpo, batch.samples, cfg.device
-    kept = (sum(s.model_tokens for s in samples) if batch.forking is None  # the bonus's tokens
+    tokens = float(sum(s.model_tokens for s in samples))
+    kept = (tokens if batch.forking is None  # the entropy bonus's tokens
             else float(sum(f.sum() for f in batch.forking)))
-    counts = torch.tensor([float(sum(s.model_tokens for s in samples)), float(len(samples)),
-                           float(kept)])
+    counts = torch.tensor([tokens, float(len(samples)), kept])
     dist.all_reduce(counts)  # the loss is normalised over the global mini-batch
     counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks: the same samples
     stats = {k: torch.zeros((), device=device) for k in ("clipped", "entropy", "loss")}
