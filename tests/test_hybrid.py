@@ -124,7 +124,8 @@ def test_an_unknown_hybrid_is_refused():
 
 def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
     """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism,
-    adapters, and (where there is no torchvision, as on these machines) the engine's import;
+    adapters, an engine dtype other than bf16 on CPU, and (where there is no torchvision) the
+    engine's import;
     with a transformers older than hybrid.TRANSFORMERS, the hybrid itself."""
     import importlib.util
 
@@ -144,7 +145,12 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
     if not hybrid.transformers_ok():
         assert "transformers >=" in refused()
         return
-    assert "model.sp_size=1" in refused("--model.sp_size=2")
-    assert "model.lora.rank=0" in refused("--model.lora.rank=8")
+    assert "model.sp_size=1" in refused("--model.sp_size=2", "--rollout.dtype=bfloat16")
+    assert "rollout.dtype=bfloat16" in refused("--rollout.dtype=float32")
+    assert "model.lora.rank=0" in refused("--model.lora.rank=8", "--rollout.dtype=bfloat16")
     if importlib.util.find_spec("torchvision") is None:
-        assert "torchvision" in refused()
+        assert "torchvision" in refused("--rollout.dtype=bfloat16")
+    else:  # what remains is accepted
+        config.check_model(resolve(load_config(None, [f"--model.path={path}",
+                                                      "--rollout.dtype=bfloat16",
+                                                      "--rollout.max_model_len=64"])))
