@@ -303,8 +303,6 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)
-    if hybrid.patch(hf_cfg):  # Gated DeltaNet layers: each sample of a packed row apart
-        log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
     lora = cfg.lora.rank > 0 and not reference
     dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
     experts = {}
@@ -315,6 +313,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn,
                                                  **experts)
+    if hybrid.patch(model):  # Gated DeltaNet layers: each sample of a packed row apart
+        log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
     if lora:
         add_adapters(model, cfg.lora)
     patched = patch_kernels(model, cfg.fused_kernels)  # (the MLP's calls its projections)

@@ -12,7 +12,9 @@ packages take the boundaries in their kernels, on GPUs only; Ascend and CPU run 
 versions.
 
 `patch` replaces the two functions in the model's transformers module with `conv` and
-`chunk_rule`. On a packed row, these scatter the row into a right-padded (samples, longest, ...)
+`chunk_rule` (transformers 5.5.4, the Ascend stack's, binds them in each layer and hands them no
+boundaries: there each layer gets its own, and a hook hands it the boundaries; `_attach`).
+On a packed row, these scatter the row into a right-padded (samples, longest, ...)
 batch, run the function they replace on it, and gather the outputs back, as
 fsdp_utils.packed_sdpa does for attention. Both are causal, so the right padding changes no
 real position, and each sample starts from a zero state and zero convolution inputs. Their
@@ -20,6 +22,7 @@ cost is the padding's. Elsewhere (a padded batch, the engine's own model) they a
 functions they replace, unchanged.
 """
 
+import functools
 import importlib
 import importlib.util
 
@@ -29,7 +32,7 @@ import npu_ops
 from domains import BadInput, need
 
 # the oldest transformers whose Gated DeltaNet layer calls these module-level functions with the
-# row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none
+# row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none (_attach)
 TRANSFORMERS = "5.19"
 
 # model_type -> the transformers module whose functions the Gated DeltaNet layers call
@@ -73,9 +76,6 @@ def check(text: dict, sp_size: int, lora_rank: int, engine_dtype: str) -> None:
 def unsupported(kind: str) -> str | None:
     """Why this process cannot pack a hybrid model of this model_type (its state would leak
     from one sample into the next), with the fix; None where it can."""
-    if not transformers_ok():
-        return (f"a {kind} model's packed rows need transformers >= {TRANSFORMERS} here "
-                f"(hybrid.py); this one is {_transformers()}. Fix: upgrade transformers")
     if kind not in MODULES:
         return (f"model_type {kind!r} has linear-attention layers that hybrid.py does not "
                 "know, and packed rows would leak state from one sample into the next. Fix: "
@@ -89,21 +89,30 @@ def _transformers() -> str:
 
 
 def transformers_ok() -> bool:
-    """Whether this transformers' Gated DeltaNet layers call the functions `patch` replaces,
-    with the row's boundaries (TRANSFORMERS and later)."""
+    """Whether this transformers' Gated DeltaNet layers call the module's functions, with the
+    row's boundaries (TRANSFORMERS and later); else `patch` attaches its own to each layer."""
     from packaging.version import Version
     return Version(_transformers()) >= Version(TRANSFORMERS)
 
 
-def patch(config) -> bool:
-    """Put `conv` and `chunk_rule` in place of the two functions in the transformers module of
-    this model_type (once a process; the originals kept as `_packed_original`). Returns whether
-    the model has Gated DeltaNet layers; raises where `unsupported` says why it cannot."""
+def patch(model) -> bool:
+    """Make `model`'s Gated DeltaNet layers run each sample of a packed row on its own; returns
+    whether it has such layers, raises where `unsupported` says why it cannot. Call it on the
+    model as built (before FSDP wraps it; the meta device is fine).
+    - transformers TRANSFORMERS and later: `conv` and `chunk_rule` in place of the two functions
+      in the model's transformers module (once a process; the originals kept as
+      `_packed_original`), which its layers look up at each call with the row's boundaries.
+    - older (5.5.4, the Ascend stack's): each layer holds its own two functions and is handed no
+      boundaries (`_attach`)."""
+    config = model.config
     if not has_linear_attention(config):
         return False
     problem = unsupported(config.model_type)
     if problem is not None:
         raise ValueError(problem)
+    if not transformers_ok():
+        _attach(model)
+        return True
     module = importlib.import_module(MODULES[config.model_type])
     for name, ours in zip(FUNCTIONS, (conv, chunk_rule)):
         current = getattr(module, name)
@@ -111,6 +120,63 @@ def patch(config) -> bool:
             wrapped = _with_original(ours, current)
             setattr(module, name, wrapped)
     return True
+
+
+def _attach(model) -> None:
+    """transformers before TRANSFORMERS (5.5.4, modeling_qwen3_5.py): each Gated DeltaNet layer
+    binds its functions at construction (`causal_conv1d_fn`, None without the causal-conv1d
+    package, then an nn.Conv1d runs; `chunk_gated_delta_rule`), and its decoder layer calls it
+    without the row's boundaries, which the decoder layer itself receives. So each layer gets
+    `conv` and `chunk_rule` as its own functions, and a hook on its decoder layer hands it the
+    boundaries of every call (gradient checkpointing's recomputation included: it calls the
+    decoder layer again)."""
+    found = 0
+    for block in model.modules():
+        gdn = getattr(block, "linear_attn", None)
+        if gdn is None or getattr(gdn, "_packed_rows", False) is not False:
+            continue
+        if not all(hasattr(gdn, f) for f in ("causal_conv1d_fn", "chunk_gated_delta_rule")):
+            raise ValueError(f"{type(gdn).__name__} holds no causal_conv1d_fn and "
+                             "chunk_gated_delta_rule of its own, which hybrid.py replaces on "
+                             f"transformers < {TRANSFORMERS}. Fix: transformers >= {TRANSFORMERS}")
+        gdn._packed_rows = (None, None)
+        block.register_forward_pre_hook(_hand_rows, with_kwargs=True)
+        gdn.causal_conv1d_fn = functools.partial(_layer_conv, gdn,
+                                                  gdn.causal_conv1d_fn or _torch_conv)
+        gdn.chunk_gated_delta_rule = functools.partial(_layer_rule, gdn,
+                                                       gdn.chunk_gated_delta_rule)
+        found += 1
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no Gated DeltaNet layer (linear_attn) found "
+                         f"to give the row's boundaries. Fix: transformers >= {TRANSFORMERS}")
+
+
+def _hand_rows(block, args, kwargs) -> None:
+    """A decoder layer's forward pre-hook: its Gated DeltaNet layer's boundaries for this call."""
+    block.linear_attn._packed_rows = (kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
+
+
+def _torch_conv(x, weight, bias=None, activation=None, **_):
+    """What a 5.5.4 layer runs without the causal-conv1d package: its depthwise nn.Conv1d
+    (padding kernel - 1, the outputs past the input's length cut), then the activation."""
+    out = torch.nn.functional.conv1d(x, weight[:, None], bias, padding=weight.shape[-1] - 1,
+                                     groups=x.shape[1])[..., :x.shape[-1]]
+    return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
+
+
+def _layer_conv(gdn, original, x, weight, bias=None, activation=None, **kwargs):
+    cu, longest = gdn._packed_rows
+    if cu is None:
+        return original(x, weight, bias, activation=activation, **kwargs)
+    return conv(original, x, weight, bias, activation, cu_seq_lens_q=cu, max_length_q=longest)
+
+
+def _layer_rule(gdn, original, query, key, value, g, beta, **kwargs):
+    cu, longest = gdn._packed_rows
+    if cu is None:
+        return original(query, key, value, g=g, beta=beta, **kwargs)
+    return chunk_rule(original, query, key, value, g, beta, cu_seqlens=cu, max_length_q=longest,
+                      **kwargs)
 
 
 def _with_original(ours, original):

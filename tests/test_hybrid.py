@@ -2,7 +2,9 @@
 (tiny_task.build_tiny_model arch qwen3_5: linear, full, linear, full attention): each sample of
 a packed row gets exactly the logprobs it gets alone, and without hybrid.py's functions it
 does not (the state leaks); the fused pass's logprobs and gradients equal transformers' own
-forward of each sample alone, differentiated by autograd.
+forward of each sample alone, differentiated by autograd. The same tests run on transformers
+5.19 (hybrid.py replaces the module's functions) and 5.5.4 (each layer's own, the npu-stack
+lane).
 
 Tolerance: the model in fp64, but transformers' chunked rule casts its inputs to fp32 whatever
 the model's dtype (torch_chunk_gated_delta_rule, "Make sure all tensors are fp32"). Packed and
@@ -26,17 +28,11 @@ import tiny_task
 from records import Sample
 from test_packing import WeightedLoss
 
-# the NPU stack's transformers (5.5.4) passes the layer no boundaries: refused there (the last
-# test), tested where it does
-needs_boundaries = pytest.mark.skipif(
-    not hybrid.transformers_ok(), reason=f"transformers < {hybrid.TRANSFORMERS}: refused")
-
-
 def hybrid_model():
     base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3_5")
-    assert hybrid.patch(base.config)
     attn = fsdp_utils.register_attention("sdpa")
     model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn)
+    assert hybrid.patch(model)
     model.load_state_dict(base.state_dict())
     return model.double()
 
@@ -62,29 +58,25 @@ def logp_packed_and_alone(model, samples):
     return packed, torch.cat(alone)
 
 
-@needs_boundaries
 def test_a_packed_row_gives_each_sample_its_own_logprobs():
     model, samples = hybrid_model(), samples_of(LENGTHS)
     packed, alone = logp_packed_and_alone(model, samples)
     assert (packed - alone).abs().max() < 1e-10 * alone.abs().max()
 
 
-@needs_boundaries
 def test_without_the_reset_the_state_leaks(monkeypatch):
-    """The mutation: transformers' own functions back in place (each ignores the row's
-    boundaries), every sample after the first reads the ones before it."""
-    import importlib
-    module = importlib.import_module(hybrid.MODULES["qwen3_5_text"])
+    """The mutation: hybrid.py takes a packed row for one sample (no boundary inside it), so
+    every sample after the first reads the ones before it."""
     model, samples = hybrid_model(), samples_of(LENGTHS)
-    for name in hybrid.FUNCTIONS:
-        monkeypatch.setattr(module, name, getattr(module, name)._packed_original)
+    real = hybrid.rows
+    monkeypatch.setattr(hybrid, "rows", lambda cu, longest, length: None if cu is None else
+                        real(cu[[0, -1]], length, length))
     packed, alone = logp_packed_and_alone(model, samples)
     first = len(samples[0].response_ids)
     assert (packed[:first] - alone[:first]).abs().max() < 1e-10 * alone.abs().max()
     assert (packed[first:] - alone[first:]).abs().max() > 1e-3
 
 
-@needs_boundaries
 def test_the_fused_pass_is_transformers_forward_of_each_sample():
     """logprobs.run's logprobs and gradients (of the sum of w x logp) on one packed row,
     chunked by 5, against transformers' forward of each sample alone (its own functions: no
@@ -113,20 +105,18 @@ def test_the_fused_pass_is_transformers_forward_of_each_sample():
         assert q.grad.abs().max() > 0 and (p.grad - q.grad).abs().max() < 1e-6 * top, name
 
 
-@needs_boundaries
 def test_an_unknown_hybrid_is_refused():
-    cfg = copy.deepcopy(tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").config)
-    cfg.model_type = "some_hybrid"
+    model = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5")
+    model.config.model_type = "some_hybrid"
     with pytest.raises(ValueError, match="add its module to hybrid.MODULES"):
-        hybrid.patch(cfg)
-    assert not hybrid.patch(tiny_task.build_tiny_model(15, 1, 0, arch="qwen2").config)
+        hybrid.patch(model)
+    assert not hybrid.patch(tiny_task.build_tiny_model(15, 1, 0, arch="qwen2"))
 
 
 def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
     """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism,
     adapters, an engine dtype other than bf16 on CPU, and (where there is no torchvision) the
-    engine's import;
-    with a transformers older than hybrid.TRANSFORMERS, the hybrid itself."""
+    engine's import."""
     import importlib.util
 
     import config
@@ -142,9 +132,6 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    if not hybrid.transformers_ok():
-        assert "transformers >=" in refused()
-        return
     assert "model.sp_size=1" in refused("--model.sp_size=2", "--rollout.dtype=bfloat16")
     assert "rollout.dtype=bfloat16" in refused("--rollout.dtype=float32")
     assert "model.lora.rank=0" in refused("--model.lora.rank=8", "--rollout.dtype=bfloat16")
