@@ -129,10 +129,28 @@ class ModelConfig:
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
         hybrid.check(text, self.sp_size, self.lora.rank, cfg.rollout.dtype)
+        self._check_text_only()
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
              "family's row (and its layers' names), or model.lora.rank=0")
+
+    def _check_text_only(self) -> None:
+        """A vision-language checkpoint (config.json with a vision_config: every Qwen3.5 release
+        is one) is refused with the line that saves its language model on its own. The actor
+        would load as the language model alone (transformers renames model.language_model.* on
+        load), but the push would send those weights under names the engine's vision-language
+        model does not have, and the export would drop the vision tower."""
+        import json
+
+        with open(os.path.join(self.path, "config.json")) as f:
+            vision = "vision_config" in json.load(f)
+        out = os.path.basename(os.path.normpath(self.path)) + "-text"
+        need(not vision, f"model.path: {self.path} is a vision-language checkpoint; the trainer "
+             "takes its language model alone. Fix: python -c \"from transformers import "
+             "AutoModelForCausalLM as M, AutoTokenizer as T; p='" + self.path + "'; "
+             f"M.from_pretrained(p).save_pretrained('{out}'); "
+             f"T.from_pretrained(p).save_pretrained('{out}')\", then model.path={out}")
 
     def check_host_memory(self, cfg, world_size: int) -> None:
         """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state

@@ -141,3 +141,42 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
         config.check_model(resolve(load_config(None, [f"--model.path={path}",
                                                       "--rollout.dtype=bfloat16",
                                                       "--rollout.max_model_len=64"])))
+
+
+def test_a_vision_language_checkpoint_is_refused_with_a_fix_that_works(tmp_path, monkeypatch):
+    """Every Qwen3.5 release is a vision-language checkpoint (Qwen3_5ForConditionalGeneration).
+    Refused before it loads, with a command that saves its language model alone; that command,
+    run as the message gives it, makes a checkpoint the check accepts and whose logits are the
+    vision-language model's on text."""
+    import shlex
+    import subprocess
+    import sys
+
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    import config
+    from train_grpo import load_config, resolve
+
+    text = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").config.to_dict()
+    vl = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128))).eval()
+    vl.save_pretrained(tmp_path / "vl")
+    tiny_task.train_tokenizer(["1+2=3"]).save_pretrained(tmp_path / "vl")
+    monkeypatch.chdir(tmp_path)
+
+    def check(path):
+        config.check_model(resolve(load_config(None, [
+            f"--model.path={path}", "--rollout.dtype=bfloat16", "--rollout.max_model_len=64"])))
+
+    with pytest.raises(config.BadInput) as e:
+        check(tmp_path / "vl")
+    message = str(e.value)
+    assert "vision-language checkpoint" in message and "\n" not in message
+    command = shlex.split(message.split("Fix: ", 1)[1].rsplit(", then model.path=", 1)[0])
+    subprocess.run([sys.executable, *command[1:]], check=True, cwd=tmp_path)
+    check(tmp_path / "vl-text")  # accepted
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "vl-text").eval()
+    assert lm.config.model_type == "qwen3_5_text"
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(lm(input_ids=ids).logits, vl(input_ids=ids).logits)
