@@ -128,8 +128,8 @@ class ModelConfig:
                          ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
-        hybrid.check(text, self.sp_size, self.lora.rank, cfg.rollout.dtype)
         self._check_text_only()
+        hybrid.check(text, self.sp_size, self.lora.rank, cfg.rollout.dtype)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
@@ -144,13 +144,7 @@ class ModelConfig:
         import json
 
         with open(os.path.join(self.path, "config.json")) as f:
-            vision = "vision_config" in json.load(f)
-        out = os.path.basename(os.path.normpath(self.path)) + "-text"
-        need(not vision, f"model.path: {self.path} is a vision-language checkpoint; the trainer "
-             "takes its language model alone. Fix: python -c \"from transformers import "
-             "AutoModelForCausalLM as M, AutoTokenizer as T; p='" + self.path + "'; "
-             f"M.from_pretrained(p).save_pretrained('{out}'); "
-             f"T.from_pretrained(p).save_pretrained('{out}')\", then model.path={out}")
+            text_only(self.path, "vision_config" in json.load(f))
 
     def check_host_memory(self, cfg, world_size: int) -> None:
         """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
@@ -309,6 +303,16 @@ def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
     return kernels.patch_qwen(model, path)  # explicit fused/reference: raises for other models
 
 
+def text_only(path: str, vision: bool) -> None:
+    """BadInput for a vision-language checkpoint (`vision`: its config has a vision_config),
+    with the line that saves its language model alone (ModelConfig._check_text_only says why)."""
+    out = os.path.basename(os.path.normpath(path)) + "-text"
+    need(not vision, f"model.path: {path} is a vision-language checkpoint; the trainer takes its "
+         "language model alone. Fix: python -c \"from transformers import AutoModelForCausalLM "
+         f"as M, AutoTokenizer as T; p='{path}'; M.from_pretrained(p).save_pretrained('{out}'); "
+         f"T.from_pretrained(p).save_pretrained('{out}')\", then model.path={out}")
+
+
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
@@ -318,6 +322,7 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
+    text_only(cfg.path, getattr(hf_cfg, "vision_config", None) is not None)  # a hub id's
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)

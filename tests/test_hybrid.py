@@ -148,6 +148,7 @@ def test_a_vision_language_checkpoint_is_refused_with_a_fix_that_works(tmp_path,
     Refused before it loads, with a command that saves its language model alone; that command,
     run as the message gives it, makes a checkpoint the check accepts and whose logits are the
     vision-language model's on text."""
+    import importlib.util
     import shlex
     import subprocess
     import sys
@@ -172,11 +173,48 @@ def test_a_vision_language_checkpoint_is_refused_with_a_fix_that_works(tmp_path,
         check(tmp_path / "vl")
     message = str(e.value)
     assert "vision-language checkpoint" in message and "\n" not in message
+    with pytest.raises(config.BadInput, match="vision-language"):  # a hub id meets it at build
+        fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=str(tmp_path / "vl")), mesh=None)
     command = shlex.split(message.split("Fix: ", 1)[1].rsplit(", then model.path=", 1)[0])
     subprocess.run([sys.executable, *command[1:]], check=True, cwd=tmp_path)
-    check(tmp_path / "vl-text")  # accepted
+    if importlib.util.find_spec("torchvision") is not None:  # else refused for that alone
+        check(tmp_path / "vl-text")  # accepted
     lm = AutoModelForCausalLM.from_pretrained(tmp_path / "vl-text").eval()
     assert lm.config.model_type == "qwen3_5_text"
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(lm(input_ids=ids).logits, vl(input_ids=ids).logits)
+
+
+def test_the_27b_configs_arithmetic(tmp_path, monkeypatch):
+    """configs/qwen3.5-27b-gsm8k-npu16.yaml's numbers, on Qwen3.5-27B's language model built on
+    the meta device from its published shape: 26.9B parameters, 20.2 GB a rank in host memory
+    with the offload at 16 ranks (offload.host_bytes_per_rank, what the run checks); and the
+    config passes the checks on an NPU, the model-free ones at 16 ranks and the model's (as
+    tests/test_config.py checks the other shipped accelerator configs)."""
+    import importlib.util
+    import json
+
+    from transformers import Qwen3_5TextConfig
+
+    import config
+    import npu_ops
+    import offload
+    from train_grpo import load_config
+
+    Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=262144,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    ).save_pretrained(tmp_path)
+    per_rank = offload.host_bytes_per_rank(str(tmp_path), 16, True)
+    assert round(per_rank / 12 * 16 / 1e9, 1) == 26.9 and round(per_rank / 1e9, 1) == 20.2
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    cfg = load_config("configs/qwen3.5-27b-gsm8k-npu16.yaml", [f"--model.path={tmp_path}"])
+    config.validate(cfg, world_size=16)
+    assert cfg.rollout.enforce_eager and cfg.rollout.sleep_level == 2
+    assert cfg.rollout.dtype == "bfloat16" and cfg.model.reshard_after_forward
+    if importlib.util.find_spec("torchvision") is not None:  # an Ascend node has it
+        cfg.model.check_model(cfg, json.loads((tmp_path / "config.json").read_text()))
