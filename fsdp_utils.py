@@ -129,7 +129,7 @@ class ModelConfig:
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
         self._check_text_only()
-        hybrid.check(text, self.sp_size, self.lora.rank, cfg.rollout.dtype)
+        hybrid.check(text, self.sp_size, cfg.rollout.dtype)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "

@@ -47,7 +47,7 @@ def has_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def check(text: dict, sp_size: int, lora_rank: int, engine_dtype: str) -> None:
+def check(text: dict, sp_size: int, engine_dtype: str) -> None:
     """What a hybrid model (`text`: its config.json's language part) cannot do yet, or not in
     this engine dtype here, refused in one line before anything loads
     (fsdp_utils.ModelConfig.check_model calls it)."""
@@ -59,9 +59,6 @@ def check(text: dict, sp_size: int, lora_rank: int, engine_dtype: str) -> None:
     need(sp_size == 1, f"model.sp_size={sp_size} on a hybrid model ({kind}): Ulysses splits "
          "full attention by heads, not yet the Gated DeltaNet layers' convolution and "
          "recurrence. Fix: model.sp_size=1")
-    need(not lora_rank, f"model.lora.rank={lora_rank} on a hybrid model ({kind}): adapters on "
-         "its Gated DeltaNet projections and their push into vLLM are not written yet. Fix: "
-         "model.lora.rank=0")
     try:
         npu_ops.check_hybrid_engine(engine_dtype)
     except ValueError as e:
@@ -71,24 +68,6 @@ def check(text: dict, sp_size: int, lora_rank: int, engine_dtype: str) -> None:
     need(importlib.util.find_spec("torchvision") is not None, f"model.path: a {kind} model in "
          "vLLM imports its vision processors, which need torchvision, and this environment has "
          "none. Fix: install the torchvision built for this torch")
-    missing = engine_lacks(text.get("architectures") or ())
-    need(not missing, f"model.path: this vLLM has no {', '.join(missing)}: vLLM 0.23 (vLLM-"
-         "Ascend 0.23's) registers Qwen3.5 as a vision-language model only, and the trainer "
-         "takes the language model alone for now. Fix: vLLM 0.32 or later (CPU, CUDA); on "
-         "Ascend, not yet (docs/platforms.md, Hybrid models)")
-
-
-def engine_lacks(architectures) -> list[str]:
-    """Those of `architectures` (a checkpoint's config.json) that the installed vLLM's model
-    registry does not have; none where no vLLM is installed (nothing to ask). vLLM 0.23's
-    models/registry.py lists Qwen3_5ForConditionalGeneration and no Qwen3_5ForCausalLM (0.32
-    lists both): a text-only Qwen3.5 then loads as the vision-language model and fails."""
-    if importlib.util.find_spec("vllm") is None:
-        return []
-    from vllm import ModelRegistry
-
-    known = set(ModelRegistry.get_supported_archs())
-    return [arch for arch in architectures if arch not in known]
 
 
 def unsupported(kind: str) -> str | None:

