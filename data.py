@@ -52,7 +52,7 @@ class DataConfig:
     # if set: create the built-in tiny model + prompts here if missing
     tiny_task_dir: Annotated[str, Anything("any directory path: created if missing")] = ""
     # the tiny model's family when tiny_task_dir is created (tiny_task.build_tiny_model)
-    tiny_task_arch: Annotated[str, OneOf("qwen2", "qwen3", "qwen3_moe", "qwen3_5")] = "qwen2"
+    tiny_task_arch: Annotated[str, OneOf("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")] = "qwen2"
     # the tiny tokenizer with chat roles, a chat template and tool-call tokens
     #   (tiny_task.CHAT_TEMPLATE) when tiny_task_dir is created: what an agent's calls need
     tiny_task_chat: Annotated[bool, FLAG] = False

@@ -268,6 +268,7 @@ class Family:
 FAMILIES = {
     "qwen2": Family(fused_kernels=True),
     "qwen3": Family(fused_kernels=True),
+    "qwen3_5_moe_text": Family(),  # its mixture-of-experts form (moe.py)
     "qwen3_5_text": Family(),  # Qwen3.5's language model: Gated DeltaNet packed by hybrid.py
     "llama": Family(),
     "mistral": Family(),

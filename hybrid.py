@@ -37,7 +37,8 @@ TRANSFORMERS = "5.19"
 
 # model_type -> the transformers module whose functions the Gated DeltaNet layers call
 MODULES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
-           "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5"}
+           "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+           "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"}
 FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
 

