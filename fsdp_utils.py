@@ -34,6 +34,9 @@ log = logging.getLogger("grpo")
 # The decoder's linear layers, by their Hugging Face names in the families we know (FAMILIES):
 # where LoRA adapters may go (vLLM's LoRA layers take these, packed as qkv and gate_up).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a hybrid's (Qwen3.5's) Gated DeltaNet projections: named in model.lora.target_modules, not
+# adapted by default
+LORA_MODULES_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass
@@ -42,9 +45,9 @@ class LoraConfig:
     rank: Annotated[int, Range(0, 512)] = 0
     alpha: Annotated[float, Range(0, lo_open=True)] = 16.0  # the update is scaled by alpha / rank
     dropout: Annotated[float, Range(0, 1, hi_open=True)] = 0.0  # on the adapters' input
-    # the decoder's linear layers that get adapters
-    target_modules: Annotated[list[str], Items(OneOf(*LORA_MODULES))] = field(
-        default_factory=lambda: list(LORA_MODULES))
+    # the decoder's linear layers that get adapters (a hybrid's Gated DeltaNet ones where named)
+    target_modules: Annotated[list[str], Items(OneOf(*LORA_MODULES, *LORA_MODULES_LINEAR))] = \
+        field(default_factory=lambda: list(LORA_MODULES))
 
     def check(self, cfg, world_size: int) -> None:
         """config.validate's call: adapters name the layers they go on."""

@@ -37,7 +37,10 @@ model_dir, tp, rank, world, tok, cfg = engines.start(
     max_num_seqs=32, max_new_tokens=8, block_size=32, dtype="bfloat16" if BF16 else "float32")
 model_cfg = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32")
 model_cfg.lora = fsdp_utils.LoraConfig(rank=8, alpha=16.0, target_modules=[
-    "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    # a hybrid's Gated DeltaNet projections too, in_proj_z and in_proj_a left out: the engine
+    # packs in_proj_qkv (three slices) with in_proj_z, and in_proj_b with in_proj_a
+    + (["in_proj_qkv", "in_proj_b", "out_proj"] if BF16 else []))
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp, lora=model_cfg.lora)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(model_cfg, init_device_mesh("cpu", (world,)))
