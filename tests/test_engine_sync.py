@@ -66,6 +66,20 @@ def test_a_pushed_hybrid_with_experts_is_the_one_vllm_loads(tmp_path_factory, tp
     assert loaded.count("LAYOUT_CAUGHT") == 8, loaded[-3000:]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_vision_language_checkpoint_s_language_model_pushed_and_exported(tiny_vl_hybrid,
+                                                                            tmp_path, tp):
+    """Qwen3.5 as released (a vision-language checkpoint): the actor is its language model, the
+    push names it as the checkpoint does, the export puts it back beside the vision tower, and
+    an engine that loads the export gives the pushed engine's logprobs bit for bit. On vLLM 0.32
+    and 0.23 (where Qwen3.5 is served as a vision-language model only)."""
+    args = ["tests/workers/push_equals_load.py", tiny_vl_hybrid, str(tp), str(tmp_path)]
+    assert launch([*args, "push"]).count("PUSHED_OK") == 2
+    loaded = launch([*args, "load"])
+    assert loaded.count("PUSH_EQUALS_LOAD_OK") == 2, loaded[-3000:]
+    assert loaded.count("LAYOUT_CAUGHT") == 4, loaded[-3000:]
+
+
 def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
     out = launch(["tests/workers/export_parity.py", tiny_models["qwen2"], str(tmp_path / "export")])
     assert out.count("EXPORT_PARITY_OK") == 2, out[-3000:]

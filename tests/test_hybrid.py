@@ -19,14 +19,15 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
 import hybrid
 import logprobs
 import tiny_task
 from records import Sample
-from test_packing import WeightedLoss
+from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
 
 ARCHS = pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])  # dense, and with experts
 
@@ -152,47 +153,54 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
                                                       "--rollout.max_model_len=64"])))
 
 
-def test_a_vision_language_checkpoint_is_refused_with_a_fix_that_works(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("world_of_one")
+def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, tmp_path):
     """Every Qwen3.5 release is a vision-language checkpoint (Qwen3_5ForConditionalGeneration).
-    Refused before it loads, with a command that saves its language model alone; that command,
-    run as the message gives it, makes a checkpoint the check accepts and whose logits are the
-    vision-language model's on text."""
+    The actor is its language model (the same logits on text as the whole model's); the push
+    names every tensor as the checkpoint does and sends the vision tower from its files; the
+    export, changed weights and all, loads as the vision-language model with the actor's logits
+    and the tower as it was. Adapters on it are refused before load."""
     import importlib.util
-    import shlex
-    import subprocess
-    import sys
 
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from safetensors import safe_open
+    from transformers import Qwen3_5ForConditionalGeneration
 
+    import checkpoint
     import config
+    import weight_sync
     from train_grpo import load_config, resolve
 
-    text = tiny_task.build_tiny_model(15, 1, 0, arch="qwen3_5").config.to_dict()
-    vl = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=dict(
-        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128))).eval()
-    vl.save_pretrained(tmp_path / "vl")
-    tiny_task.train_tokenizer(["1+2=3"]).save_pretrained(tmp_path / "vl")
-    monkeypatch.chdir(tmp_path)
-
-    def check(path):
-        config.check_model(resolve(load_config(None, [
-            f"--model.path={path}", "--rollout.dtype=bfloat16", "--rollout.max_model_len=64"])))
-
-    with pytest.raises(config.BadInput) as e:
-        check(tmp_path / "vl")
-    message = str(e.value)
-    assert "vision-language checkpoint" in message and "\n" not in message
-    with pytest.raises(config.BadInput, match="vision-language"):  # a hub id meets it at build
-        fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=str(tmp_path / "vl")), mesh=None)
-    command = shlex.split(message.split("Fix: ", 1)[1].rsplit(", then model.path=", 1)[0])
-    subprocess.run([sys.executable, *command[1:]], check=True, cwd=tmp_path)
+    args = [f"--model.path={tiny_vl_hybrid}", "--rollout.dtype=bfloat16",
+            "--rollout.max_model_len=64"]
     if importlib.util.find_spec("torchvision") is not None:  # else refused for that alone
-        check(tmp_path / "vl-text")  # accepted
-    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "vl-text").eval()
-    assert lm.config.model_type == "qwen3_5_text"
+        config.check_model(resolve(load_config(None, args)))
+    with pytest.raises(config.BadInput, match="model.lora.rank=0"):
+        config.check_model(resolve(load_config(None, [*args, "--model.lora.rank=8"])))
+
+    actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=tiny_vl_hybrid,
+                                                          param_dtype="float32"),
+                                   init_device_mesh("cpu", (1,)))
+    vl = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vl_hybrid, dtype=torch.float32)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
-        assert torch.equal(lm(input_ids=ids).logits, vl(input_ids=ids).logits)
+        assert torch.equal(actor(input_ids=ids).logits, vl(input_ids=ids).logits)
+        for p in actor.parameters():
+            p.to_local().add_(0.1)
+        want = actor(input_ids=ids).logits
+    stored = checkpoint.files(tiny_vl_hybrid)
+    pushed = dict(weight_sync.iter_full_params(actor, torch.float32, {"bytes": 0}))
+    assert set(pushed) == set(stored) | {"lm_head.weight"}  # (tied: the checkpoint has one)
+    checkpoint.save_hf(actor, AutoTokenizer.from_pretrained(tiny_vl_hybrid), str(tmp_path / "x"),
+                       source=tiny_vl_hybrid)
+    assert set(checkpoint.files(str(tmp_path / "x"))) == set(stored)
+    out = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "x", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(out(input_ids=ids).logits, want)
+    for name, file in stored.items():
+        if ".visual." in name:
+            with safe_open(file, "pt") as f:
+                assert torch.equal(pushed[name], f.get_tensor(name)), name
+                assert torch.equal(out.state_dict()[name], f.get_tensor(name)), name
 
 
 def test_the_27b_configs_arithmetic(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ ALLOWED = {
     "offload": {"npu_ops"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
     "hybrid": {"domains", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
-    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel", "hybrid"},
+    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel", "hybrid",
+                   "checkpoint"},
     "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups
