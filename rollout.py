@@ -815,7 +815,7 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
 
 def _not_the_rotary_reload_warning(record: logging.LogRecord) -> bool:
     return not (record.msg == "%s: Failed to load weights" and record.args
-                and str(record.args[0]).endswith("RotaryEmbedding"))
+                and str(record.args[0]).endswith(("RotaryEmbedding", "FusedMMInputNorm")))
 
 
 def quiet_rotary_reload_warning() -> None:
@@ -824,7 +824,9 @@ def quiet_rotary_reload_warning() -> None:
     layerwise reload logs it for each layer that holds tensors but received none (vLLM 0.23, 0.32
     model_loader/reload/layerwise.py); a rotary embedding's only tensor is its cos/sin buffer, no
     checkpoint weight, which the reload puts back unchanged (tests/test_engine_sync.py checks the
-    logprobs after each sync). The same warning for any other layer still shows."""
+    logprobs after each sync). So are a vision-language model's image-normalisation buffers
+    (vLLM 0.32 layers/fusion/mm_input_norm.py, FusedMMInputNorm). The same warning for any other
+    layer still shows."""
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if _not_the_rotary_reload_warning not in logger.filters:
         logger.addFilter(_not_the_rotary_reload_warning)

@@ -345,7 +345,8 @@ def test_only_the_rotary_reload_warning_is_dropped():
     try:
         rollout.quiet_rotary_reload_warning()
         rollout.quiet_rotary_reload_warning()  # idempotent: one filter
-        for layer in ("RotaryEmbedding", "AscendRotaryEmbedding", "QKVParallelLinear"):
+        for layer in ("RotaryEmbedding", "AscendRotaryEmbedding", "FusedMMInputNorm",
+                      "QKVParallelLinear"):
             logger.warning("%s: Failed to load weights", layer)
         logger.warning("something else about RotaryEmbedding")
     finally:
