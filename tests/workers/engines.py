@@ -45,3 +45,30 @@ def bf16_bounds(config) -> tuple[float, float]:
     places = 2 + sum(3 if kind == "linear_attention" else 2 for kind in kinds)
     mean = 2 * places * 2.0**-8
     return mean, 4 * mean
+
+
+def change_actor(actor, opt, tok, rank: int, round_: int) -> None:
+    """A different model each round: noise on each rank's own shard of every weight, then (after
+    round 0) a real optimizer step on rank-specific targets."""
+    import torch
+
+    from tests.reference import token_logprobs
+
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.to_local().add_(torch.randn_like(p.to_local()) * 0.2)
+    if round_:
+        target = torch.tensor([tok(f"{rank}+{round_}={rank + round_}")["input_ids"]])
+        (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def swap(x: str, y: str):
+    """A change of the pushed (name, tensor) list: each layer's tensor named ...x sent under ...y
+    and the other way (a layout a push could get wrong)."""
+    def change(weights):
+        named = dict(weights)
+        other = lambda n: n[:-len(x)] + y if n.endswith(x) else n[:-len(y)] + x  # noqa: E731
+        return [(n, named[other(n)] if n.endswith((x, y)) else w) for n, w in weights]
+    return change

@@ -78,15 +78,6 @@ def each(suffix: str, fn):
     return lambda weights: [(n, fn(w) if n.endswith(suffix) else w) for n, w in weights]
 
 
-def swap(x: str, y: str):
-    """A change sending each layer's tensor named ...x under ...y and the other way."""
-    def change(weights):
-        named = dict(weights)
-        other = lambda n: n[:-len(x)] + y if n.endswith(x) else n[:-len(y)] + x  # noqa: E731
-        return [(n, named[other(n)] if n.endswith((x, y)) else w) for n, w in weights]
-    return change
-
-
 def swap_qk(w):
     """in_proj_qkv's rows are q (key heads), k (key heads), v (value heads): q and k swapped."""
     q = actor.config.linear_num_key_heads * actor.config.linear_key_head_dim
@@ -95,14 +86,7 @@ def swap_qk(w):
 
 previous = None
 for round_ in range(2):
-    with torch.no_grad():
-        for p in actor.parameters():
-            p.to_local().add_(torch.randn_like(p.to_local()) * 0.2)
-    if round_:
-        target = torch.tensor([tok(f"{rank}+{round_}={rank + round_}")["input_ids"]])
-        (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
-        opt.step()
-        opt.zero_grad()
+    engines.change_actor(actor, opt, tok, rank, round_)
     to_bf16_values()
     engine.cfg.sync_by = "unit" if round_ == 1 else "tensor"
     engine.wake(["weights"])
@@ -120,8 +104,8 @@ for round_ in range(2):
 
 WRONG = {  # each a layout a push could get wrong in the GDN layers
     "q/k swapped in in_proj_qkv": each("in_proj_qkv.weight", swap_qk),
-    "in_proj_a/in_proj_b swapped": swap("in_proj_a.weight", "in_proj_b.weight"),
-    "A_log/dt_bias swapped": swap("A_log", "dt_bias"),
+    "in_proj_a/in_proj_b swapped": engines.swap("in_proj_a.weight", "in_proj_b.weight"),
+    "A_log/dt_bias swapped": engines.swap("A_log", "dt_bias"),
     "conv taps reversed": each("conv1d.weight", lambda w: w.flip(-1).contiguous()),
     "right": lambda weights: weights,
 }

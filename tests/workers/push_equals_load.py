@@ -38,15 +38,6 @@ probe = [tok(t, add_special_tokens=False)["input_ids"] for t in
          ["3+4=7", "0+0=0", "12+34=46+1", "5=5", "8+1=9=9+9", "1+2=3+4=7+0=7+1=8+3+4="]]
 
 
-def swap(x: str, y: str):
-    """Each layer's tensor named ...x sent under ...y and the other way."""
-    def change(weights):
-        named = dict(weights)
-        other = lambda n: n[:-len(x)] + y if n.endswith(x) else n[:-len(y)] + x  # noqa: E731
-        return [(n, named[other(n)] if n.endswith((x, y)) else w) for n, w in weights]
-    return change
-
-
 def halves_swapped(suffix: str):
     """The experts' fused gate_up_proj (E, 2I, H) with its gate and up halves swapped."""
     return lambda weights: [(n, torch.cat(w.chunk(2, 1)[::-1], 1) if n.endswith(suffix) else w)
@@ -56,10 +47,11 @@ def halves_swapped(suffix: str):
 WRONG = {  # what: (a name the layout needs among the model's, the change)
     "experts' gate/up swapped": ("mlp.experts.gate_up_proj",
                                  halves_swapped("mlp.experts.gate_up_proj")),
-    "shared expert's gate/up swapped": ("shared_expert.gate_proj", swap(
+    "shared expert's gate/up swapped": ("shared_expert.gate_proj", engines.swap(
         "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight")),
-    "in_proj_a/in_proj_b swapped": ("in_proj_a", swap("in_proj_a.weight", "in_proj_b.weight")),
-    "A_log/dt_bias swapped": ("A_log", swap("A_log", "dt_bias")),
+    "in_proj_a/in_proj_b swapped": ("in_proj_a", engines.swap("in_proj_a.weight",
+                                                              "in_proj_b.weight")),
+    "A_log/dt_bias swapped": ("A_log", engines.swap("A_log", "dt_bias")),
 }
 
 if mode == "push":

@@ -72,16 +72,7 @@ def pushed_with(change) -> float:
 
 previous = None
 for round_ in range(3):
-    # change the actor: noise on each rank's own shard (a different model on every round, with
-    # varied greedy outputs), then a real optimizer step on rank-specific targets
-    with torch.no_grad():
-        for p in actor.parameters():
-            p.to_local().add_(torch.randn_like(p.to_local()) * 0.2)
-    if round_:
-        target = torch.tensor([tok(f"{rank}+{round_}={rank + round_}")["input_ids"]])
-        (-token_logprobs(actor(input_ids=target).logits[:, :-1], target[:, 1:]).mean()).backward()
-        opt.step()
-        opt.zero_grad()
+    engines.change_actor(actor, opt, tok, rank, round_)  # (varied greedy outputs each round)
     # rounds 0 and 2 gather one tensor at a time; round 1 one FSDP unit at a time, which FSDP2
     # does in one collective per unit (the root, each decoder layer), counted here
     engine.cfg.sync_by = "unit" if round_ == 1 else "tensor"
