@@ -4,7 +4,8 @@ Contract (what `push` sends): one (name, tensor) pair per weight of the Hugging 
 named as in `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...), each a full
 (unsharded) tensor in the engine's dtype. The engine shards it for its own tensor parallelism.
 A vision-language checkpoint's language model goes under the checkpoint's own names
-(`model.language_model.layers.0...`: checkpoint.stored_name); its vision tower is not sent.
+(`model.language_model.layers.0...`: checkpoint.stored_name), after its vision tower, which the
+actor does not hold, read from the checkpoint's files (`iter_full_params` says why).
 - FSDP2 keeps the original module names, so the only renaming is stripping wrapper prefixes that
   `torch.compile` or activation checkpointing may add.
 - Tied embeddings: `named_parameters()` lists the shared tensor once, as the input embedding; it
