@@ -103,6 +103,13 @@ def save_beside_source(model: torch.nn.Module, sd: dict, source: str, out: str) 
     model.generation_config.save_pretrained(out)
 
 
+def language_config(hf_cfg):
+    """The config the trainer builds its model from: a vision-language checkpoint's language
+    part, else the config itself. (transformers 5.19 takes either; 5.5.4's
+    AutoModelForCausalLM.from_config of the whole Qwen3_5Config fails: it has no vocab_size.)"""
+    return hf_cfg.get_text_config() if hasattr(hf_cfg, "vision_config") else hf_cfg
+
+
 def language_prefix(path: str, hf_cfg) -> str:
     """Where a checkpoint holds its language model's `model.*` weights: "model." for a causal
     LM; for a vision-language checkpoint, the prefix its files use, read from their names

@@ -343,8 +343,8 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
     in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = AutoConfig.from_pretrained(cfg.path)  # a vision-language one's language part, as
-    text = hf_cfg.get_text_config() if hasattr(hf_cfg, "vision_config") else hf_cfg  # 5.5.4 wants
+    hf_cfg = AutoConfig.from_pretrained(cfg.path)
+    text = checkpoint.language_config(hf_cfg)  # a vision-language checkpoint's language part
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)

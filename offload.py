@@ -34,6 +34,7 @@ import weakref
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import checkpoint
 import npu_ops
 
 log = logging.getLogger("grpo")
@@ -211,7 +212,8 @@ def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dt
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = AutoModelForCausalLM.from_config(
+            checkpoint.language_config(AutoConfig.from_pretrained(model_path)))
     params = sum(p.numel() for p in model.parameters())  # a tied embedding once
     actor = frozen_dtype.itemsize if frozen_dtype is not None else 12
     per_param = (actor if offload else 0) + (reference_dtype.itemsize if reference_dtype else 0)

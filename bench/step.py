@@ -86,8 +86,11 @@ def params_m(path: str) -> float:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import checkpoint
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_config(
+            checkpoint.language_config(AutoConfig.from_pretrained(path)))
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
 
 

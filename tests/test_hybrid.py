@@ -159,7 +159,8 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
     The actor is its language model (the same logits on text as the whole model's); the push
     names every tensor as the checkpoint does and sends the vision tower from its files; the
     export, changed weights and all, loads as the vision-language model with the actor's logits
-    and the tower as it was. Adapters on it are refused before load."""
+    and the tower as it was; the host-memory check counts what the actor holds. Adapters on it
+    are refused before load."""
     import importlib.util
 
     from safetensors import safe_open
@@ -167,6 +168,7 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
 
     import checkpoint
     import config
+    import offload
     import weight_sync
     from train_grpo import load_config, resolve
 
@@ -180,6 +182,9 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
     actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=tiny_vl_hybrid,
                                                           param_dtype="float32"),
                                    init_device_mesh("cpu", (1,)))
+    # the host memory check counts the language model's parameters (what the offload holds)
+    assert offload.host_bytes_per_rank(tiny_vl_hybrid, 1, True) == 12 * sum(
+        p.numel() for p in actor.parameters())
     vl = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vl_hybrid, dtype=torch.float32)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():

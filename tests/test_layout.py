@@ -20,7 +20,7 @@ ALLOWED = {
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
     "rewards": {"plugins", "domains"}, "data": {"domains", "plugins"},
     "tracking": {"domains"},
-    "offload": {"npu_ops"},  # device memory handed to host memory and back
+    "offload": {"npu_ops", "checkpoint"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
     "hybrid": {"domains", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
     "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel", "hybrid",
