@@ -63,8 +63,8 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
         if lora is not None and lora.rank:
             sd, layers = merged(sd, lora.alpha / lora.rank)
             save_adapter(os.path.join(tmp, "adapter"), layers, lora, source)
-        if source and is_vision_language(source):
-            save_beside_source(model, sd, source, tmp)  # a vision-language checkpoint
+        if getattr(model, "checkpoint_path", None):  # a vision-language checkpoint
+            save_beside_source(model, sd, model.checkpoint_path, tmp)
         else:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -156,18 +156,6 @@ def tensors_beyond(path: str, held: set, dtype: torch.dtype):
         if name not in held:
             with safe_open(file, "pt") as f:
                 yield name, f.get_tensor(name).to(dtype)
-
-
-def is_vision_language(path: str) -> bool:
-    """Whether the checkpoint at `path` is a vision-language one (its config has a
-    vision_config)."""
-    from transformers.utils import cached_file
-
-    config = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False)
-    if config is None:
-        return False
-    with open(config) as f:
-        return "vision_config" in json.load(f)
 
 
 def merged(sd: dict, scaling: float) -> tuple[dict, dict]:
