@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import moe
 import seq_parallel
+import vision
 
 # a zero-loss stand-in sample (any object with these fields is a sample here)
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,
@@ -154,7 +155,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
     padding after it, and padded positions carry no loss. Either way no attention mask is built
     (see PREPARED_MASKS; config: the model's). The mask is 1 on the tokens the model wrote:
     all of a response, or where a sample's own `mask` says so. split (seq_parallel.Split, packed
-    only): this rank's share of the row (split_row)."""
+    only): this rank's share of the row (split_row). A vision-language model (config) also
+    gets its multimodal positions and the samples' images (vision.row_inputs, batch_inputs)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     lens = torch.tensor([len(x) for x in seqs])
     prompt = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -178,6 +180,9 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
         for i, x in enumerate(seqs):
             ids[i, :len(x)] = torch.tensor(x)
         inputs = {"input_ids": ids}
+    if vision.is_vision_language(config):  # multimodal positions, and the images
+        inputs.update(vision.row_inputs(samples, positions) if packed
+                      else vision.batch_inputs(samples, ids.shape[1]))
     # position p - 1 + j of sample i predicts its response token j (p: its prompt's length)
     rows = (starts + prompt - 1)[seq] + col
     positions = inputs["input_ids"].numel()

@@ -28,6 +28,8 @@ class Sample:
     #   last, an array (prompt + response - 1, layers, k) (moe.given_routing); None: none
     earlier: list | None = None  # an agent's episode (agents.py): its other samples (calls
     #   that did not extend this one's tokens), trained with this one's advantage (with_earlier)
+    vision: object = None  # images in the prompt: a vision.Vision (their patches, grids and the
+    #   prompt's multimodal positions); None: a text prompt
 
     @property
     def model_tokens(self) -> int:

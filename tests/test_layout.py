@@ -32,7 +32,8 @@ ALLOWED = {
     "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint"},  # the push, the engine's turn
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
     "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
-    "logprobs": {"moe", "seq_parallel"},  # the model's logprobs: packing, the output layer
+    "vision": set(),  # images in prompts: their records, their positions in a packed row
+    "logprobs": {"moe", "seq_parallel", "vision"},  # the model's logprobs: packing, output layer
     # the algorithm: nothing of engines or files
     "grpo": {"fsdp_utils", "logprobs", "moe", "tracking", "domains"},
     # on-policy distillation: the teacher, its pass, per-token advantages

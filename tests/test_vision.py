@@ -1,0 +1,231 @@
+"""Image prompts in packed rows (vision.py, logprobs.micro_batch), in fp64, on a tiny random
+Qwen2.5-VL and a tiny random Qwen3-VL (whose tower also feeds its features into the first
+decoder layers):
+- vision.positions, and each sample's block of a packed row's positions, equal transformers'
+  own get_rope_index of that sample (prompt and response) computed alone;
+- each sample of a packed row of image and text prompts gets the logprobs it gets alone;
+- the fused pass's logprobs and gradients (vision tower included) equal transformers' forward of
+  each sample alone, given only its token ids, images and grids (transformers computes its own
+  positions), differentiated by autograd;
+- the mutation: a response that resumes at the prompt's length instead of one past its largest
+  position (the usual slip: image tokens take fewer positions than tokens) moves the logprobs.
+
+Tolerance: everything in fp64, the same arithmetic in another order (packed or alone, chunked or
+whole): 1e-10 relative on logprobs, 1e-8 of the largest gradient (as tests/test_fused_logprobs.py
+bounds fp64 sums over a few hundred terms). The mutation moves logprobs by 1e-3 and more."""
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import fsdp_utils
+import logprobs
+import vision
+from records import Sample
+from test_packing import WeightedLoss
+
+IMAGE, START, END, VOCAB = 120, 122, 123, 128
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+ARCHS = pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+
+
+def vl_model(arch: str, attn: str):
+    """A tiny random vision-language model in fp64: 2 text layers (head_dim 32), 2 vision
+    blocks of patches 14 merged 2 x 2."""
+    import transformers
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 6, 6]})
+    tower = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
+                 spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=3)
+    if arch == "qwen2_5_vl":
+        tower.update(out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+        config, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        text.update(head_dim=32, rope_parameters={**text["rope_parameters"],
+                                                  "mrope_interleaved": True})
+        tower.update(out_hidden_size=64, num_position_embeddings=64,
+                     deepstack_visual_indexes=[0])
+        config, cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    cfg = config(text_config=text, vision_config=tower, image_token_id=IMAGE, video_token_id=121,
+                 vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(0)
+    model = cls._from_config(cfg, attn_implementation=attn).double()
+    vision.patch(model)
+    return model
+
+
+def image(grid, g):
+    """An image's patches for `grid` (t, h, w), random."""
+    t, h, w = grid
+    return torch.randn(t * h * w, 3 * TEMPORAL * PATCH * PATCH, generator=g, dtype=torch.float64)
+
+
+def prompt_with(grids, g, text=3):
+    """Prompt ids: text, then each image between its start and end tokens, then text."""
+    ids = torch.randint(2, 100, (text,), generator=g).tolist()
+    for t, h, w in grids:
+        ids += [START] + [IMAGE] * (t * h * w // MERGE ** 2) + [END]
+        ids += torch.randint(2, 100, (2,), generator=g).tolist()
+    return ids
+
+
+def samples_of(layout, seed=0):
+    """Samples of (image grids, response length): images of several shapes, two in one prompt,
+    and a text-only prompt between them."""
+    g, out = torch.Generator().manual_seed(seed), []
+    for grids, r in layout:
+        ids = prompt_with(grids, g)
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        v = (vision.Vision(torch.cat([image(x, g) for x in grids]), grid,
+                           vision.positions(ids, IMAGE, grid, MERGE)) if grids else None)
+        out.append(Sample(ids, torch.randint(2, 100, (r,), generator=g).tolist(),
+                          [0.0] * r, False, vision=v))
+    return out
+
+
+LAYOUT = [([(1, 4, 6)], 7), ([], 5), ([(1, 4, 4), (1, 6, 4)], 9), ([(1, 2, 2)], 1)]
+
+
+def rope_index(model, ids, grid):
+    """transformers' own multimodal positions of one sequence, whatever its version's
+    signature (5.19 takes the token types; older ones find the images by their token id)."""
+    ids = torch.tensor([ids])
+    kwargs = {"image_grid_thw": grid if len(grid) else None}
+    if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
+        kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
+    return model.model.get_rope_index(ids, **kwargs)[0][:, 0]
+
+
+def forward_alone(model, s):
+    """transformers' forward of one sample given its ids and images only: (L, vocab) logits."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    kwargs = {}
+    if s.vision is not None:
+        kwargs = {"pixel_values": s.vision.pixel_values, "image_grid_thw": s.vision.grid_thw}
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
+    return model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+
+
+@ARCHS
+def test_each_samples_positions_in_a_packed_row_are_transformers_own(arch):
+    model = vl_model(arch, "sdpa")
+    samples = samples_of(LAYOUT)
+    mb = logprobs.micro_batch(samples, 0, True, model.config)
+    pos = mb.inputs["position_ids"][:, 0]  # (4, R)
+    k = 0
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids)
+        grid = s.vision.grid_thw if s.vision is not None else torch.zeros(0, 3, dtype=torch.long)
+        want = (rope_index(model, s.prompt_ids + s.response_ids, grid) if len(grid)
+                else torch.arange(n).expand(3, n))
+        assert torch.equal(pos[1:, k:k + n], want)
+        assert torch.equal(pos[0, k:k + n], torch.arange(n))  # text positions restart
+        k += n
+    assert k == pos.shape[1]
+    assert torch.equal(mb.inputs["image_grid_thw"],
+                       torch.cat([s.vision.grid_thw for s in samples if s.vision is not None]))
+
+
+def logp_packed_and_alone(model, samples):
+    with torch.no_grad():
+        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
+                              16)["logp"]
+        alone = [logprobs.run(model, logprobs.micro_batch([s], 0, True, model.config), 0.7,
+                              16)["logp"] for s in samples]
+    return packed, torch.cat(alone)
+
+
+@ARCHS
+def test_a_packed_row_of_image_prompts_gives_each_sample_its_own_logprobs(arch):
+    model = vl_model(arch, fsdp_utils.register_attention("sdpa"))
+    packed, alone = logp_packed_and_alone(model, samples_of(LAYOUT))
+    assert (packed - alone).abs().max() < 1e-10 * alone.abs().max()
+
+
+@ARCHS
+def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
+    """logprobs.run on one packed row (chunks of 5) against transformers' forward of each sample
+    alone, log softmax(logits / 0.7), its own positions; logprobs and every gradient."""
+    model = vl_model(arch, fsdp_utils.register_attention("sdpa"))
+    twin = copy.deepcopy(model)
+    twin.config._attn_implementation = "sdpa"
+    samples = samples_of(LAYOUT, seed=1)
+    K = sum(len(s.response_ids) for s in samples)
+    w = torch.randn(K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7, 5,
+                       WeightedLoss(w))
+    out["loss"].backward()
+    want, k = [], 0
+    for s in samples:
+        z = forward_alone(twin, s)[len(s.prompt_ids) - 1:-1] / 0.7
+        lp = z.log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        want.append(lp)
+        (lp * w[k:k + len(lp)]).sum().backward()
+        k += len(lp)
+    want = torch.cat(want)
+    assert (out["logp"] - want.detach()).abs().max() < 1e-10 * want.abs().max()
+    top = max(q.grad.abs().max() for q in twin.parameters() if q.grad is not None)
+    grads = 0
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        if q.grad is None:  # not on the path to any logit (none expected but unused tokens')
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        grads += "visual" in name
+        assert (p.grad - q.grad).abs().max() < 1e-8 * top, name
+    assert grads > 0  # the tower's weights got theirs
+
+
+@ARCHS
+def test_a_response_resuming_at_the_prompts_length_moves_the_logprobs(arch, monkeypatch):
+    model = vl_model(arch, fsdp_utils.register_attention("sdpa"))
+    samples = samples_of(LAYOUT)
+    with torch.no_grad():
+        want = torch.cat([forward_alone(model, s)[len(s.prompt_ids) - 1:-1].div(0.7)
+                          .log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+                          for s in samples])
+
+    def slip(s):  # the response at prompt length + j, not one past the image's positions
+        n, p = len(s.prompt_ids) + len(s.response_ids), len(s.prompt_ids)
+        pos = torch.arange(n).expand(3, n).clone()
+        if s.vision is not None:
+            pos[:, :p] = s.vision.positions
+        return pos
+
+    packed, _ = logp_packed_and_alone(model, samples)
+    assert (packed - want).abs().max() < 1e-10 * want.abs().max()
+    monkeypatch.setattr(vision, "sample_positions", slip)
+    moved, _ = logp_packed_and_alone(model, samples)
+    assert (moved - want).abs().max() > 1e-3
+
+
+def test_a_prompt_whose_placeholders_do_not_fit_its_grid_is_refused():
+    grid = torch.tensor([[1, 4, 4]])
+    with pytest.raises(ValueError, match="4 placeholder tokens expected"):
+        vision.positions([5, IMAGE, IMAGE, 6], IMAGE, grid, MERGE)
+    with pytest.raises(ValueError, match="2 images given, 1 found"):
+        vision.positions([5] + [IMAGE] * 4, IMAGE, torch.tensor([[1, 4, 4], [1, 2, 2]]), MERGE)
+
+
+@ARCHS
+def test_without_the_text_row_a_packed_row_attends_across_its_samples(arch, monkeypatch):
+    """The mutation: the three multimodal rows alone (transformers' unpacked form). transformers
+    then hands the attention no position ids, and the row is one sequence."""
+    model = vl_model(arch, fsdp_utils.register_attention("sdpa"))
+    real = vision.row_inputs
+
+    def three(samples, text):
+        out = real(samples, text)
+        return {**out, "position_ids": out["position_ids"][1:]}
+
+    monkeypatch.setattr(vision, "row_inputs", three)
+    samples = samples_of(LAYOUT)
+    packed, alone = logp_packed_and_alone(model, samples)
+    first = len(samples[0].response_ids)
+    assert (packed[:first] - alone[:first]).abs().max() < 1e-10 * alone.abs().max()
+    assert (packed[first:] - alone[first:]).abs().max() > 1e-3

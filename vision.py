@@ -1,0 +1,129 @@
+"""Images in prompts: what a sample keeps of them, and their places in a packed row.
+
+A vision-language model of the Qwen-VL kind (Qwen2.5-VL, Qwen3-VL, Qwen3.5) reads an image as a
+run of placeholder tokens (`image_token_id`) in the prompt, one per merged patch, whose embeddings
+its vision tower writes, and places every token with three rotary positions (multimodal RoPE:
+time, height, width). A text token has the same position on all three; an image's tokens sit on
+its grid of merged patches (time 0 for an image, its row, its column), all offset by the position
+where the image starts; the text after an image resumes one past the largest position in it.
+
+A sample with images carries a `Vision` record (records.Sample.vision): the processor's patches
+(`pixel_values`), each image's grid of patches (`grid_thw`) and its prompt's three rows of
+positions (`positions`, from `positions`). The response is text: its tokens continue the prompt's
+positions one by one. A packed row (logprobs.micro_batch) gives the model four rows of positions,
+the transformers convention for packed multimodal rows: the text positions, restarting at 0 with
+each sample (which keep attention inside a sample), then the three multimodal rows, each sample's
+own, also from 0. A text-only sample has its text positions on all four rows. Without the first
+row transformers passes no position ids to the attention, and a packed row would attend across
+its samples.
+
+Only images: no video (whose time positions depend on its frame rate).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# what logprobs.micro_batch gives a packed row's text layers and the vision tower must not see:
+# the tower has boundaries of its own (one image each), which the first two would replace
+ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "packed_ends")
+
+
+@dataclass
+class Vision:
+    pixel_values: torch.Tensor  # (patches, channels x temporal patch x patch x patch), as the
+    #   model's processor gives them, all of the sample's images in prompt order
+    grid_thw: torch.Tensor  # (images, 3) long: each image's patches in time, height and width
+    positions: torch.Tensor  # (3, prompt tokens) long: the prompt's multimodal positions
+
+
+def is_vision_language(config) -> bool:
+    """Whether a (Hugging Face) model config is a vision-language model's."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def positions(ids: list[int], image_token: int, grid_thw, merge: int) -> torch.Tensor:
+    """(3, len(ids)) long: the multimodal rotary positions of a prompt `ids` whose images
+    (grid_thw: (images, 3), in order) each fill t x (h / merge) x (w / merge) consecutive
+    `image_token`s; merge: the vision config's spatial_merge_size."""
+    out, start, i, image = [], 0, 0, 0
+    while i < len(ids):
+        if ids[i] != image_token:
+            out.append(torch.full((3, 1), start, dtype=torch.long))
+            start, i = start + 1, i + 1
+            continue
+        t, h, w = (int(x) for x in grid_thw[image])
+        h, w = h // merge, w // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                          indexing="ij")).reshape(3, -1)
+        if ids[i:i + grid.shape[1]] != [image_token] * grid.shape[1]:
+            raise ValueError(f"image {image}: {grid.shape[1]} placeholder tokens expected at "
+                             f"{i} for its grid {t}x{h}x{w} (merged), found fewer")
+        out.append(grid * torch.tensor([0, 1, 1])[:, None] + start)  # an image's time: 0
+        start, i, image = int(out[-1].max()) + 1, i + grid.shape[1], image + 1
+    if image != len(grid_thw):
+        raise ValueError(f"{len(grid_thw)} images given, {image} found in the prompt")
+    return torch.cat(out, 1) if out else torch.zeros(3, 0, dtype=torch.long)
+
+
+def sample_positions(sample) -> torch.Tensor:
+    """(3, prompt + response) long: a sample's multimodal positions, its response continuing its
+    prompt's; a text-only sample's text positions on all three rows."""
+    n, v = len(sample.prompt_ids) + len(sample.response_ids), getattr(sample, "vision", None)
+    if v is None:
+        return torch.arange(n).expand(3, n)
+    p = v.positions.shape[1]
+    after = int(v.positions.max()) + 1 if p else 0
+    return torch.cat([v.positions, (after + torch.arange(n - p)).expand(3, n - p)], 1)
+
+
+def row_inputs(samples: list, text_positions: torch.Tensor) -> dict:
+    """A packed row's model inputs beyond its token ids, for a vision-language model:
+    position_ids (4, 1, R): the row's text positions (text_positions, (R,)) above the samples'
+    multimodal ones end to end; and where any sample has images, their pixel_values and
+    image_grid_thw in row order."""
+    mrope = torch.cat([sample_positions(s) for s in samples], 1)
+    out = {"position_ids": torch.cat([text_positions[None], mrope])[:, None]}
+    seen = images(samples)
+    if seen:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
+        out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
+    return out
+
+
+def batch_inputs(samples: list, width: int) -> dict:
+    """A padded batch's (B, width) inputs beyond its token ids: position_ids (3, B, width), each
+    sample's multimodal positions (the padding after it continues them), and the images."""
+    rows = []
+    for s in samples:
+        pos = sample_positions(s)
+        pad = width - pos.shape[1]
+        rows.append(torch.cat([pos, pos[:, -1:] + 1 + torch.arange(pad).expand(3, pad)], 1))
+    out = {"position_ids": torch.stack(rows, 1)}
+    seen = images(samples)
+    if seen:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
+        out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
+    return out
+
+
+def images(samples: list) -> list:
+    """The Vision records of the samples that have images, in order."""
+    return [v for s in samples if (v := getattr(s, "vision", None)) is not None
+            and len(v.grid_thw)]
+
+
+def tower(model) -> torch.nn.Module:
+    """The vision tower of a transformers vision-language model (`model.visual`, 5.x)."""
+    return model.get_submodule("model.visual")
+
+
+def patch(model) -> None:
+    """Keep the packed row's boundaries (ROW_KEYS) away from the vision tower: transformers'
+    vision-language forward hands its keyword arguments on to the tower, whose attention takes
+    its own boundaries (one per image) under the same names, so flash attention would be given
+    both and sdpa-style attention the text row's."""
+    def drop(module, args, kwargs):
+        return args, {k: v for k, v in kwargs.items() if k not in ROW_KEYS}
+
+    tower(model).register_forward_pre_hook(drop, with_kwargs=True)
