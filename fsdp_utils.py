@@ -27,6 +27,7 @@ import moe
 import npu_ops
 import offload
 import seq_parallel
+import vision
 from domains import DTYPE, FLAG, Anything, BadInput, Items, OneOf, Range, need
 
 log = logging.getLogger("grpo")
@@ -286,6 +287,10 @@ FAMILIES = {
     "qwen3": Family(fused_kernels=True),
     "qwen3_5_moe_text": Family(),  # its mixture-of-experts form (moe.py)
     "qwen3_5_text": Family(),  # Qwen3.5's language model: Gated DeltaNet packed by hybrid.py
+    # vision-language models whole (prompts with images: build_actor(images=True))
+    **{kind: Family(layers="model.language_model.layers",
+                    embedding="model.language_model.embed_tokens.weight")
+       for kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")},
     "llama": Family(),
     "mistral": Family(),
 }
@@ -320,13 +325,19 @@ def patch_kernels(model: torch.nn.Module, mode: str) -> list[str]:
     return kernels.patch_qwen(model, path)  # explicit fused/reference: raises for other models
 
 
-def adapt_to_checkpoint(model: torch.nn.Module, path: str, hf_cfg) -> None:
+def adapt_to_checkpoint(model: torch.nn.Module, path: str, hf_cfg, images: bool = False) -> None:
     """What the model built from `path` needs beyond transformers' class: a hybrid's Gated
     DeltaNet layers patched for packed rows (hybrid.patch), and a vision-language checkpoint's
     naming and path kept on the model for the push and the export (`checkpoint_prefix`,
-    `checkpoint_path`)."""
+    `checkpoint_path`). images: the model is the whole vision-language model, named as
+    transformers names it (vision.patch keeps the packed row's boundaries from its tower)."""
     if hybrid.patch(model):  # Gated DeltaNet layers: each sample of a packed row apart
         log.info("linear attention: Gated DeltaNet, packed rows split by hybrid.py")
+    if images:
+        vision.patch(model)
+        model.checkpoint_prefix, model.checkpoint_path = "model.", None
+        log.info("a vision-language model with its tower (%s)", type(model).__name__)
+        return
     model.checkpoint_prefix = checkpoint.language_prefix(path, hf_cfg)
     # a vision-language checkpoint: the push sends its other tensors from its files
     model.checkpoint_path = path if hasattr(hf_cfg, "vision_config") else None
@@ -335,30 +346,51 @@ def adapt_to_checkpoint(model: torch.nn.Module, path: str, hf_cfg) -> None:
                  model.checkpoint_prefix)
 
 
-def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Module:
+def units(model: torch.nn.Module, model_type: str, images: bool, train_vision: bool) -> list:
+    """The modules build_actor makes FSDP2 units of, under the whole model's: each decoder layer,
+    and with images the vision tower (frozen unless train_vision)."""
+    out = list(model.get_submodule(family(model_type).layers))
+    if images:
+        out.append(vision.tower(model))
+        vision.tower(model).requires_grad_(train_vision)
+    return out
+
+
+def experts_kernel(hf_cfg, param_dtype: str) -> dict:
+    """A mixture of experts' kernel, by the compute dtype, as transformers' from_config takes it
+    ({} for a model without experts)."""
+    if not moe.is_moe(hf_cfg):
+        return {}
+    kernel, why = npu_ops.experts_implementation(getattr(torch, param_dtype))
+    log.info("experts: %s (%s)", kernel, why)
+    return {"experts_implementation": kernel}
+
+
+def build_actor(cfg: ModelConfig, mesh, reference: bool = False, images: bool = False,
+                train_vision: bool = False) -> torch.nn.Module:
     """Load a HF causal LM, shard it over `mesh` with FSDP2 and return it (params fp32).
     reference=True: a frozen copy for the KL term instead: params stored in the compute dtype
     (nothing to update, so no fp32 master copy), no gradients, and moved to host memory
     (offload.to_host) between its forward passes. With model.lora: adapters on a frozen base held
-    in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    in the compute dtype (add_adapters), rank 0's initial adapters sent to every rank.
+    images=True, on a vision-language checkpoint: the whole model, for prompts with images
+    (`units`; vision.patch); else such a checkpoint's language model alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     hf_cfg = AutoConfig.from_pretrained(cfg.path)
-    text = checkpoint.language_config(hf_cfg)  # a vision-language checkpoint's language part
+    images = images and vision.is_vision_language(hf_cfg)
+    # a vision-language checkpoint's language part, unless the images need the whole model
+    text = hf_cfg if images else checkpoint.language_config(hf_cfg)
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
     attn = npu_ops.attention_implementation(cfg.attn_implementation)
     split = seq_parallel.split(cfg.sp_size)  # sequence parallel: this rank's group, or None
     attn = register_attention(attn, split)
     lora = cfg.lora.rank > 0 and not reference
     dtype = getattr(torch, cfg.param_dtype) if reference or lora else torch.float32
-    experts = {}
-    if moe.is_moe(hf_cfg):  # a mixture of experts: its experts' kernel, by the compute dtype
-        experts["experts_implementation"], why = npu_ops.experts_implementation(
-            getattr(torch, cfg.param_dtype))
-        log.info("experts: %s (%s)", experts["experts_implementation"], why)
+    experts = experts_kernel(hf_cfg, cfg.param_dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(text, dtype=dtype, attn_implementation=attn,
-                                                 **experts)
-    adapt_to_checkpoint(model, cfg.path, hf_cfg)
+        model = auto.from_config(text, dtype=dtype, attn_implementation=attn, **experts)
+    adapt_to_checkpoint(model, cfg.path, hf_cfg, images)
     if lora:
         add_adapters(model, cfg.lora)
     patched = patch_kernels(model, cfg.fused_kernels)  # (the MLP's calls its projections)
@@ -366,16 +398,15 @@ def build_actor(cfg: ModelConfig, mesh, reference: bool = False) -> torch.nn.Mod
              "; ".join(patched))
     full = None
     if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg.path, config=text, dtype=dtype,
-                                                    **experts)
+        full = auto.from_pretrained(cfg.path, config=text, dtype=dtype, **experts)
         if lora:  # the adapters' initial values: lora_A random (this rank's RNG), lora_B 0
             add_adapters(full, cfg.lora)
     if cfg.gradient_checkpointing and not reference:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype),
                               reduce_dtype=getattr(torch, cfg.reduce_dtype))
-    for layer in model.get_submodule(family(hf_cfg.model_type).layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    for unit in units(model, text.model_type, images, train_vision and not reference):
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     model.to_empty(device=npu_ops.local_device())
     set_model_state_dict(model, full.state_dict() if full is not None else {},

@@ -24,7 +24,7 @@ ALLOWED = {
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
     "hybrid": {"domains", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
     "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel", "hybrid",
-                   "checkpoint"},
+                   "vision", "checkpoint"},
     "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups

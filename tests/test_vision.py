@@ -24,7 +24,7 @@ import fsdp_utils
 import logprobs
 import vision
 from records import Sample
-from test_packing import WeightedLoss
+from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
 
 IMAGE, START, END, VOCAB = 120, 122, 123, 128
 PATCH, MERGE, TEMPORAL = 14, 2, 2
@@ -229,3 +229,37 @@ def test_without_the_text_row_a_packed_row_attends_across_its_samples(arch, monk
     first = len(samples[0].response_ids)
     assert (packed[:first] - alone[:first]).abs().max() < 1e-10 * alone.abs().max()
     assert (packed[first:] - alone[first:]).abs().max() > 1e-3
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_actor_with_images_is_the_whole_model_its_tower_frozen(tmp_path):
+    """build_actor(images=True) on a vision-language checkpoint: the whole model under FSDP2
+    (one rank), whose logprobs on a packed row of image prompts are transformers' own forward
+    of each sample (fp32: the same sums in another order, a few ulp of fp32 over the 64-wide
+    layers: 1e-5 relative); the tower frozen (no gradient, not counted as trained), the language
+    model trained."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText
+
+    vl_model("qwen2_5_vl", "sdpa").float().save_pretrained(tmp_path)
+    cfg = fsdp_utils.ModelConfig(path=str(tmp_path), param_dtype="float32")
+    actor = fsdp_utils.build_actor(cfg, init_device_mesh("cpu", (1,)), images=True)
+    hf = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    samples = samples_of(LAYOUT, seed=3)
+    for s in samples:
+        if s.vision is not None:
+            s.vision.pixel_values = s.vision.pixel_values.float()
+    K = sum(len(s.response_ids) for s in samples)
+    out = logprobs.run(actor, logprobs.micro_batch(samples, 0, True, actor.config), 0.7, 5,
+                       WeightedLoss(torch.ones(K)))
+    out["loss"].backward()
+    with torch.no_grad():
+        want = torch.cat([forward_alone(hf, s)[len(s.prompt_ids) - 1:-1].div(0.7)
+                          .log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+                          for s in samples])
+    assert (out["logp"] - want).abs().max() < 1e-5 * want.abs().max()
+    tower = {n for n, _ in actor.named_parameters() if n.startswith("model.visual.")}
+    assert tower and fsdp_utils.trainable(actor) == sum(
+        p.numel() for n, p in actor.named_parameters() if n not in tower)
+    for name, p in actor.named_parameters():
+        assert (p.grad is None) == (name in tower), name
