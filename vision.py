@@ -127,3 +127,34 @@ def patch(model) -> None:
         return args, {k: v for k, v in kwargs.items() if k not in ROW_KEYS}
 
     tower(model).register_forward_pre_hook(drop, with_kwargs=True)
+
+
+def load_image(x):
+    """An image as a dataset gives it: a PIL image, a path, raw bytes, or `datasets`' undecoded
+    {"bytes": ..., "path": ...}; returned as an RGB PIL image."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(x, dict):
+        x = x.get("bytes") or x.get("path")
+    if isinstance(x, (bytes, bytearray)):
+        x = Image.open(io.BytesIO(x))
+    elif isinstance(x, str):
+        x = Image.open(x)
+    if not isinstance(x, Image.Image):
+        raise ValueError(f"an image must be a PIL image, a path, bytes or {{'bytes', 'path'}}, "
+                         f"not {type(x).__name__}")
+    return x.convert("RGB")
+
+
+def encode(processor, text: str, images: list) -> tuple[list[int], Vision]:
+    """A prompt's token ids, each image's placeholder expanded to its merged patches, and its
+    Vision record, from the model's own processor (transformers' AutoProcessor of the
+    checkpoint). text: the prompt as the chat template writes it, one image placeholder per
+    image; images: as `load_image` takes them, in the prompt's order."""
+    out = processor(text=[text], images=[load_image(x) for x in images], return_tensors="pt")
+    ids, grid = out["input_ids"][0].tolist(), out["image_grid_thw"]
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    merge = processor.image_processor.merge_size
+    return ids, Vision(out["pixel_values"], grid, positions(ids, image_token, grid, merge))

@@ -15,6 +15,7 @@ whole): 1e-10 relative on logprobs, 1e-8 of the largest gradient (as tests/test_
 bounds fp64 sums over a few hundred terms). The mutation moves logprobs by 1e-3 and more."""
 
 import copy
+import os
 import inspect
 
 import pytest
@@ -263,3 +264,40 @@ def test_the_actor_with_images_is_the_whole_model_its_tower_frozen(tmp_path):
         p.numel() for n, p in actor.named_parameters() if n not in tower)
     for name, p in actor.named_parameters():
         assert (p.grad is None) == (name in tower), name
+
+
+def test_a_prompt_with_images_through_the_checkpoints_processor(tiny_vl_hybrid, tmp_path):
+    """vision.encode with a Qwen3.5 checkpoint's processor (patches of 16, merged 2 x 2): each
+    image's placeholder expanded to its merged patches, the positions transformers' own, and
+    the same image given as a PIL image, a path, bytes or datasets' {"bytes", "path"} encoded
+    alike."""
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
+
+    if not os.path.exists(os.path.join(tiny_vl_hybrid, "processor_config.json")):
+        pytest.skip("the processor needs torchvision (not in the npu-torch lane)")
+    processor = AutoProcessor.from_pretrained(tiny_vl_hybrid)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vl_hybrid)
+    g = torch.Generator().manual_seed(0)
+    pics = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
+                            .numpy()) for h, w in ((64, 96), (64, 64))]
+    slot = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = f"a+b= {slot} and {slot} ="
+    ids, v = vision.encode(processor, text, pics)
+    image = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert v.grid_thw.tolist() == [[1, 4, 6], [1, 4, 4]]
+    assert ids.count(image) == 6 + 4 and v.pixel_values.shape[0] == 24 + 16
+    kwargs = {"image_grid_thw": v.grid_thw}
+    if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
+        kwargs["mm_token_type_ids"] = (torch.tensor([ids]) == image).int()
+    want = model.model.get_rope_index(torch.tensor([ids]), **kwargs)[0][:, 0]
+    assert torch.equal(v.positions, want)
+    path = str(tmp_path / "p.png")
+    pics[0].save(path)
+    raw = open(path, "rb").read()
+    one = vision.encode(processor, f"x {slot}", [pics[0]])
+    for same in (path, raw, {"bytes": raw, "path": None}, {"bytes": None, "path": path}):
+        ids2, v2 = vision.encode(processor, f"x {slot}", [same])
+        assert ids2 == one[0] and torch.equal(v2.pixel_values, one[1].pixel_values)
+    with pytest.raises(ValueError, match="not int"):
+        vision.load_image(3)
