@@ -67,6 +67,8 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
             save_beside_source(model, sd, model.checkpoint_path, tmp)
         else:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            if source and getattr(model.config, "vision_config", None) is not None:
+                copy_files(source, tmp, PROCESSOR_FILES)  # the whole vision-language model
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
@@ -80,7 +82,6 @@ def save_beside_source(model: torch.nn.Module, sd: dict, source: str, out: str) 
     index as transformers writes them."""
     from huggingface_hub import save_torch_state_dict
     from safetensors import safe_open
-    from transformers.utils import cached_file
 
     trained = {stored_name(model, name): value for name, value in sd.items()}
     out_sd, storages = {}, set()
@@ -95,12 +96,24 @@ def save_beside_source(model: torch.nn.Module, sd: dict, source: str, out: str) 
                 out_sd[name] = f.get_tensor(name)
     os.makedirs(out, exist_ok=True)
     save_torch_state_dict(out_sd, out)
-    for extra in ("config.json", "preprocessor_config.json", "processor_config.json",
-                  "video_preprocessor_config.json", "chat_template.jinja", "chat_template.json"):
-        path = cached_file(source, extra, _raise_exceptions_for_missing_entries=False)
-        if path is not None:
-            shutil.copyfile(path, os.path.join(out, extra))
+    copy_files(source, out, ("config.json", *PROCESSOR_FILES))
     model.generation_config.save_pretrained(out)
+
+
+# what a vision-language checkpoint's processor is built from, beside the tokenizer's files
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def copy_files(source: str, out: str, names) -> None:
+    """The files `names` of the checkpoint `source` (a directory or a hub id) that it has, into
+    the directory `out`."""
+    from transformers.utils import cached_file
+
+    for name in names:
+        path = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        if path is not None:
+            shutil.copyfile(path, os.path.join(out, name))
 
 
 def language_config(hf_cfg):

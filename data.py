@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import plugins
+import vision
 from domains import FLAG, Anything, BadInput, OneOf, Range
 
 log = logging.getLogger("grpo")
@@ -48,21 +49,49 @@ class DataConfig:
     system_prompt: Annotated[str, Anything("free text")] = ""
     # render the prompt with the tokenizer's chat template (check_model looks for one)
     chat_template: Annotated[bool, FLAG] = False
+    # column holding each prompt's images (one or a list: paths, bytes, PIL images, datasets'
+    #   {bytes, path}), placed before its first user turn's text by the chat template; needs a
+    #   vision-language model (model.path) and data.chat_template ("": text prompts)
+    image_key: Annotated[str, Anything(LOADS)] = ""
     max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
     # if set: create the built-in tiny model + prompts here if missing
     tiny_task_dir: Annotated[str, Anything("any directory path: created if missing")] = ""
     # the tiny model's family when tiny_task_dir is created (tiny_task.build_tiny_model)
-    tiny_task_arch: Annotated[str, OneOf("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")] = "qwen2"
+    #   (qwen2_5_vl: the tiny vision task instead, images of coloured cells: configs/vlm_cpu.yaml)
+    tiny_task_arch: Annotated[str, OneOf("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+                                         "qwen2_5_vl")] = "qwen2"
     # the tiny tokenizer with chat roles, a chat template and tool-call tokens
     #   (tiny_task.CHAT_TEMPLATE) when tiny_task_dir is created: what an agent's calls need
     tiny_task_chat: Annotated[bool, FLAG] = False
 
     def check_model(self, cfg, text: dict) -> None:
-        """A chat template in model.path's tokenizer files where chat_template asks for one
-        (config.check_model calls it)."""
+        """A chat template in model.path's tokenizer files where chat_template asks for one, and
+        images only for a vision-language model, through its chat template (config.check_model
+        calls it)."""
+        path = cfg.model.path
+        if self.image_key:
+            with open(os.path.join(path, "config.json")) as f:
+                kind = json.load(f)
+            if kind.get("vision_config") is None:
+                raise BadInput(f"config: data.image_key={self.image_key!r} gives prompts images, "
+                               f"but model.path={path} is not a vision-language model "
+                               f"({kind.get('model_type')}: no vision_config). Fix: a "
+                               "vision-language checkpoint, or data.image_key=''")
+            if not self.chat_template:
+                raise BadInput("config: data.image_key needs data.chat_template=true: the chat "
+                               "template places each image in the prompt. Fix: "
+                               "data.chat_template=true")
+            for name, on in (("env.name", cfg.env.name), ("model.sp_size", cfg.model.sp_size > 1),
+                             ("rollout.partial.enabled", cfg.rollout.partial.enabled),
+                             ("model.lora.rank", cfg.model.lora.rank),
+                             ("model.routing_replay", cfg.model.routing_replay),
+                             ("distill.teacher", cfg.distill.teacher)):
+                if on:
+                    raise BadInput(f"config: data.image_key with {name}: not written for prompts "
+                                   f"with images yet (docs/platforms.md, \"Vision-language "
+                                   f"models\"). Fix: {name} off, or data.image_key=''")
         if not self.chat_template:
             return
-        path = cfg.model.path
         found = [name for name in ("chat_template.jinja", "chat_template.json")
                  if os.path.isfile(os.path.join(path, name))]
         settings = os.path.join(path, "tokenizer_config.json")
@@ -267,12 +296,27 @@ def _ids(cfg: DataConfig, tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
+def _image_prompt(processor, messages: list[dict], images) -> tuple[list[int], dict]:
+    """A prompt with images (data.image_key): its ids, each image's placeholder expanded to its
+    patches (what the trainer runs and counts against data.max_prompt_len), and what a rollout
+    needs again (vision.media): the prompt's text and the engine's ids, one placeholder per
+    image, which the engine expands itself (docs/engine.md, "Images in prompts")."""
+    images = vision.as_list(images)
+    text = processor.apply_chat_template(vision.with_images(messages, len(images)),
+                                         add_generation_prompt=True, tokenize=False)
+    ids, _ = vision.encode(processor, text, images)
+    engine = list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids, {"prompt_text": text, "engine_prompt_ids": engine}
+
+
 def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
-                  path: str | None = None) -> list[dict]:
+                  path: str | None = None, processor=None) -> list[dict]:
     """The examples of `path` (default data.path) / `split` (default data.split), in the dataset's
     order: each row as a dict plus "prompt_ids" (list[int]), "prompt_messages" (the conversation
     those ids render, prompt_messages) and "answer" (the preset's gold
     extraction of data.answer_key's value, else that value as a string; None if answer_key is "").
+    With data.image_key, through `processor` (the model's AutoProcessor): also "prompt_text" and
+    "engine_prompt_ids" (_image_prompt).
     Rows with a prompt over data.max_prompt_len tokens, or no gold the preset can extract, are
     dropped and counted in the log. data.preset is applied here too (apply_preset)."""
     cfg = apply_preset(cfg)
@@ -286,7 +330,8 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
     extract = PRESETS[cfg.preset]["extract"] if cfg.preset else None
     ds = read_rows(path, split, cfg.config_name, field, split_field)
     # both columns are checked up front (even on an empty set); answer_key="" opts out of answers
-    for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
+    for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key"),
+                      (cfg.image_key, "image_key")):
         if key and key not in ds.column_names:
             raise BadInput(f"data.{name}={key!r} is not a column of {field}={path} "
                            f"(columns: {ds.column_names}). Fix: set data.{name} to one of "
@@ -294,7 +339,8 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
     examples, too_long, no_gold = [], 0, 0
     for i, row in enumerate(ds):
         messages = prompt_messages(cfg, row[cfg.prompt_key], f"{field}={path} row {i}")
-        ids = _ids(cfg, tokenizer, messages)
+        ids, more = ((_image_prompt(processor, messages, row[cfg.image_key])) if cfg.image_key
+                     else (_ids(cfg, tokenizer, messages), {}))
         answer = None
         if cfg.answer_key:
             raw = row[cfg.answer_key]
@@ -305,7 +351,8 @@ def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue
-        examples.append({**row, "prompt_ids": ids, "answer": answer, "prompt_messages": messages})
+        examples.append({**row, "prompt_ids": ids, "answer": answer, "prompt_messages": messages,
+                         **more})
     log.info("data: %d examples from %s (split %s), %d dropped as longer than "
              "data.max_prompt_len=%d, %d without a gold answer", len(examples), path, split,
              too_long, cfg.max_prompt_len, no_gold)

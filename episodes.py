@@ -34,6 +34,7 @@ import plugins
 import records
 import rollout
 import sandbox
+import vision
 from domains import FLAG, Anything, OneOf, Range, need
 
 log = logging.getLogger("grpo")
@@ -240,8 +241,9 @@ class EpisodeRunner:
     both take. group: the rollout.EngineGroup, whose first rank alone calls the environment."""
 
     def __init__(self, cfg: EnvConfig, tokenizer, chat_template: bool, prompt_key: str,
-                 max_new_tokens: int, group=None):
+                 max_new_tokens: int, group=None, processor=None, image_key: str = ""):
         self.cfg, self.tokenizer, self.prompt_key = cfg, tokenizer, prompt_key
+        self.processor, self.image_key = processor, image_key  # prompts with images
         self.max_new_tokens, self.group = max_new_tokens, group
         self.checked = not chat_template  # the episodes against the template, once a run
         self.worker = self.replies = None
@@ -254,7 +256,10 @@ class EpisodeRunner:
     def run(self, engine, batch: list[dict], n: int, greedy: bool = False,
             seed: int | None = None) -> records.Generated:
         """`n` episodes per example of `batch`, prompt-major, played to their end."""
-        first = engine.generate([ex["prompt_ids"] for ex in batch], n=n, greedy=greedy, seed=seed)
+        media = ([vision.media(self.processor, ex, self.image_key) for ex in batch]
+                 if self.image_key else None)
+        first = engine.generate([ex["prompt_ids"] for ex in batch], n=n, greedy=greedy, seed=seed,
+                                media=media)
         examples = [ex for ex in batch for _ in range(n)]
         if self.worker is None:  # one turn: the samples as the engine made them
             texts = self.tokenizer.batch_decode([s.response_ids for s in first],

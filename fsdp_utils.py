@@ -81,6 +81,8 @@ class ModelConfig:
     # a mixture of experts: the actor's passes route each token by the experts the engine chose
     #   for it, its gates from its own router (moe.py); where the engine returns its routing
     routing_replay: Annotated[bool, FLAG] = False
+    # prompts with images (data.image_key): the vision tower trains too (else frozen)
+    train_vision: Annotated[bool, FLAG] = False
     # sequence parallel (Ulysses): this many consecutive ranks share each packed row of the
     #   update, 1/sp of its tokens each, attention over all tokens for 1/sp of the heads
     sp_size: Annotated[int, Range(1)] = 1
@@ -133,7 +135,8 @@ class ModelConfig:
                          ("rollout.expert_parallel", cfg.rollout.expert_parallel)):
             need(not on or moe.is_moe(text), f"{name}=true on a {kind!r} model, which has no "
                  f"experts. Fix: {name}=false")
-        self._check_language_model()
+        if not cfg.data.image_key:  # (with images the whole model trains: data's check)
+            self._check_language_model()
         hybrid.check(text, self.sp_size, cfg.rollout.dtype)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "

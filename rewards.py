@@ -116,7 +116,14 @@ def agent(completion: str, example: dict) -> float:
     return example["agent_reward"]
 
 
-REWARDS = {"tiny_sum": tiny_sum, "gsm8k": gsm8k, "math": math, "format": answer_format,
+def tiny_colour(completion: str, example: dict) -> float:
+    """The built-in tiny vision task (tiny_task.make_vision_prompts): 1 for the right colour
+    alone, 0.5 for it with more after it, else 0, as tiny_sum scores a sum."""
+    answer, text = str(example["answer"]).strip(), completion.strip()
+    return 1.0 if text == answer else 0.5 if text.startswith(answer) else 0.0
+
+
+REWARDS = {"tiny_sum": tiny_sum, "tiny_colour": tiny_colour, "gsm8k": gsm8k, "math": math, "format": answer_format,
            "agent": agent}
 
 

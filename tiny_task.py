@@ -106,6 +106,107 @@ def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int = 0, a
     return model
 
 
+# The tiny vision task (arch qwen2_5_vl): a 56 x 56 image of 2 x 2 cells, three of one colour and
+# one of another; the prompt asks for the colour of the three, each colour's name one token. Each cell is one token of the
+# tiny Qwen2.5-VL (patches of 14, merged 2 x 2), whose chat template puts an image before the
+# user's text.
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|' + m['role'] + '|>' -}}"
+    "{%- if m['content'] is string -%}{{- m['content'] -}}{%- else -%}"
+    "{%- for c in m['content'] -%}"
+    "{%- if c['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- else -%}{{- c['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<eos>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}")
+
+
+def colour_cells(majority: str, minority: str, where: int, shade: float):
+    """The task's image: 2 x 2 cells of 28 pixels, the one at `where` (0-3, row-major) in
+    `minority`, the others in `majority`, every colour scaled by `shade`."""
+    from PIL import Image
+
+    img = Image.new("RGB", (56, 56))
+    for cell in range(4):
+        rgb = COLOURS[minority if cell == where else majority]
+        x, y = 28 * (cell % 2), 28 * (cell // 2)
+        img.paste(tuple(int(c * shade) for c in rgb), (x, y, x + 28, y + 28))
+    return img
+
+
+def make_vision_prompts(image_dir: str, seed: int = 0, count: int = 96) -> list[dict]:
+    """`count` rows {"prompt", "answer", "images": [a PNG's path]} of the tiny vision task, the
+    images written to `image_dir` (made from `seed`: every colour pair, cell and a shade)."""
+    rng = random.Random(seed)
+    os.makedirs(image_dir, exist_ok=True)
+    rows, names = [], list(COLOURS)
+    for i in range(count):
+        majority = names[i % 3]
+        minority = rng.choice([c for c in names if c != majority])
+        path = os.path.join(image_dir, f"{i}.png")
+        colour_cells(majority, minority, rng.randrange(4), rng.uniform(0.7, 1.0)).save(path)
+        rows.append({"prompt": "colour?", "answer": majority, "images": [path]})
+    return rows
+
+
+def build_tiny_vl(tok, seed: int = 0):
+    """A random-init Qwen2.5-VL small enough for CPU, in the shapes vLLM takes (head_dim 32 in
+    the language model and in the tower), for `tok` (with VISION_TOKENS)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 6, 6]},
+                bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    tower = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                 spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                 window_size=112, fullatt_block_indexes=[1], in_channels=3)
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=tower, image_token_id=image,
+                           video_token_id=video, vision_start_token_id=start,
+                           vision_end_token_id=end, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def _write_vision_task(tmp: str, root: str, seed: int) -> None:
+    """The tiny vision task's files into `tmp`, its images' paths naming `root` (where tmp goes)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
+
+    rows = make_vision_prompts(os.path.join(tmp, "images"), seed)
+    for r in rows:
+        r["images"] = [os.path.join(os.path.abspath(root), "images", os.path.basename(r["images"][0]))]
+    for name in ("train.jsonl", "test.jsonl"):  # the task is tiny: eval = train
+        with open(os.path.join(tmp, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    tok = train_tokenizer([r["prompt"] + r["answer"] for r in rows])
+    tok.add_special_tokens({"additional_special_tokens": CHAT_ROLES + VISION_TOKENS})
+    # each answer one token, as the sum task's digit is: a random model writes one of them
+    #   often enough to be rewarded (spelt a character at a time, it learnt to name one colour
+    #   whatever the image: 1/3 after 300 steps)
+    tok.add_tokens(list(COLOURS))
+    tok.chat_template = VISION_CHAT_TEMPLATE
+    tok.image_token = "<|image_pad|>"
+    model = build_tiny_vl(tok, seed)
+    model.save_pretrained(os.path.join(tmp, "model"))
+    pixels = 56 * 56  # every image is one 2 x 2 grid of merged patches, as made
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels),
+                        tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+                        chat_template=VISION_CHAT_TEMPLATE).save_pretrained(
+                            os.path.join(tmp, "model"))
+
+
 def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool = False) -> str:
     """Create the tiny model, tokenizer and prompt files under `root` if missing; return `root`.
     chat: the tokenizer in its chat form (chat_tokenizer).
@@ -117,6 +218,9 @@ def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool =
         return root
     tmp = f"{root}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
+    if arch == "qwen2_5_vl":
+        _write_vision_task(tmp, root, seed)
+        return _finish(tmp, root)
     rows = make_prompts()
     random.Random(seed).shuffle(rows)
     for name, part in (("train.jsonl", rows), ("test.jsonl", rows)):  # the task is tiny: eval = train
@@ -128,6 +232,11 @@ def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool =
     model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed, arch)
     model.save_pretrained(os.path.join(tmp, "model"))
     tok.save_pretrained(os.path.join(tmp, "model"))
+    return _finish(tmp, root)
+
+
+def _finish(tmp: str, root: str) -> str:
+    """Mark the task in `tmp` complete and move it to `root`, unless a concurrent rank did."""
     open(os.path.join(tmp, "READY"), "w").close()
     try:
         os.rename(tmp, root)  # atomic: a concurrent rank either wins or finds `root` already there

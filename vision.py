@@ -88,6 +88,8 @@ def row_inputs(samples: list, text_positions: torch.Tensor) -> dict:
     if seen:
         out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
         out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
+        out["prompt_mask"] = torch.cat([torch.arange(len(s.prompt_ids) + len(s.response_ids))
+                                        < len(s.prompt_ids) for s in samples])[None]
     return out
 
 
@@ -104,6 +106,8 @@ def batch_inputs(samples: list, width: int) -> dict:
     if seen:
         out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
         out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
+        out["prompt_mask"] = torch.arange(width)[None] < torch.tensor(
+            [len(s.prompt_ids) for s in samples])[:, None]
     return out
 
 
@@ -118,15 +122,49 @@ def tower(model) -> torch.nn.Module:
     return model.get_submodule("model.visual")
 
 
+def frozen_tower(model) -> set[str]:
+    """The names of a whole vision-language model's tower parameters where none of them trains
+    (what a push may leave out); empty where the model has no tower or it trains."""
+    try:
+        params = dict(tower(model).named_parameters(prefix="model.visual"))
+    except AttributeError:
+        return set()
+    return set() if any(p.requires_grad for p in params.values()) else set(params)
+
+
 def patch(model) -> None:
-    """Keep the packed row's boundaries (ROW_KEYS) away from the vision tower: transformers'
-    vision-language forward hands its keyword arguments on to the tower, whose attention takes
-    its own boundaries (one per image) under the same names, so flash attention would be given
-    both and sdpa-style attention the text row's."""
+    """Two forward pre-hooks on a vision-language model:
+    - Keep the packed row's boundaries (ROW_KEYS) away from the vision tower: transformers'
+      vision-language forward hands its keyword arguments on to the tower, whose attention
+      takes its own boundaries (one per image) under the same names, so flash attention would
+      be given both and sdpa-style attention the text row's.
+    - Image placeholders only in prompts (`prompt_mask`, from row_inputs and batch_inputs): a
+      response may hold an image or video placeholder token (the model samples any token),
+      which the engine embeds as text. transformers would count it as an image's and fail
+      ("Image features and image tokens do not match"). The hook hands the model ids with such
+      tokens replaced (by id 0), and a hook on the input embedding puts their own embeddings
+      back (no host read: a torch.where over the row)."""
+    embedding = model.get_input_embeddings()
+
     def drop(module, args, kwargs):
         return args, {k: v for k, v in kwargs.items() if k not in ROW_KEYS}
 
+    def prompts_only(module, args, kwargs):
+        mask = kwargs.pop("prompt_mask", None)
+        if mask is None or kwargs.get("input_ids") is None:
+            return args, kwargs
+        ids, config = kwargs["input_ids"], module.config
+        stray = ~mask & ((ids == config.image_token_id) | (ids == config.video_token_id))
+        embedding.stray = (stray, ids)
+        return args, {**kwargs, "input_ids": ids.masked_fill(stray, 0)}
+
+    def put_back(module, args, out):
+        saved, module.stray = getattr(module, "stray", None), None
+        return out if saved is None else torch.where(saved[0][..., None], module(saved[1]), out)
+
     tower(model).register_forward_pre_hook(drop, with_kwargs=True)
+    model.get_submodule("model").register_forward_pre_hook(prompts_only, with_kwargs=True)
+    embedding.register_forward_hook(put_back)
 
 
 def load_image(x):
@@ -158,3 +196,41 @@ def encode(processor, text: str, images: list) -> tuple[list[int], Vision]:
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     merge = processor.image_processor.merge_size
     return ids, Vision(out["pixel_values"], grid, positions(ids, image_token, grid, merge))
+
+
+def as_list(x) -> list:
+    """A dataset cell of images as a list: one image, a list of them, or none."""
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def with_images(messages: list[dict], count: int) -> list[dict]:
+    """The conversation with `count` images at the start of its first user turn, as chat
+    templates of vision-language models take them: that turn's content a list of parts,
+    {"type": "image"} for each image, then {"type": "text", "text": ...}."""
+    out, placed = [dict(m) for m in messages], False
+    for m in out:
+        if m["role"] == "user" and not placed:
+            m["content"] = [{"type": "image"}] * count + [{"type": "text", "text": m["content"]}]
+            placed = True
+    return out
+
+
+@dataclass
+class Media:
+    """What the engine needs of a prompt with images, beside what the sample keeps."""
+    engine_ids: list[int]  # the prompt with one placeholder per image: the engine expands them
+    images: list  # RGB PIL images, in prompt order (the request's multi_modal_data)
+    vision: Vision  # the sample's record (its patches, grids and positions)
+
+
+def media(processor, example: dict, image_key: str) -> Media:
+    """A loaded example's images made ready for a rollout (data.load_examples kept their
+    expanded prompt ids, their text and the engine's ids, not their patches: a dataset's patches
+    would not fit in memory). The patches come from the same processor call as at load, so the
+    ids must come out the same."""
+    images = [load_image(x) for x in as_list(example[image_key])]
+    ids, v = encode(processor, example["prompt_text"], images)
+    if ids != example["prompt_ids"]:
+        raise RuntimeError("the processor expanded a prompt's images differently from when the "
+                           "data loaded (a processor setting changed during the run?)")
+    return Media(example["engine_prompt_ids"], images, v)

@@ -42,6 +42,7 @@ import checkpoint
 import fsdp_utils
 import npu_ops
 import offload
+import vision
 
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
@@ -70,10 +71,13 @@ def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str
     return sorted(groups, key=lambda group: last(group[1][-1]))
 
 
-def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool):
+def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool, skip=()):
     """(parameter name, whole tensor in `dtype`), one at a time, in `units` order, gathered as the
-    docstring says."""
+    docstring says; the names in `skip` left out (a unit of them alone not gathered)."""
     for unit, names in units(model):
+        names = [n for n in names if n not in skip]
+        if not names:
+            continue
         if by_unit and unit is not None:
             unit.unshard()  # one all-gather: the unit's parameters are whole tensors now
         for name in names:
@@ -88,11 +92,14 @@ def full_params(model: torch.nn.Module, dtype: torch.dtype, by_unit: bool):
 
 
 def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
-                     by_unit: bool = False):
+                     by_unit: bool = False, frozen_tower: bool = True):
     """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards; for a
     vision-language checkpoint, first the tensors the actor does not hold (its vision tower),
     from the checkpoint's files: the engine's reload wants every tensor of its model (vLLM 0.23
-    refuses a push without them; 0.32 warns), and a level-2 sleep dropped them."""
+    refuses a push without them; 0.32 warns), and a level-2 sleep dropped them. A whole
+    vision-language actor's frozen tower (vision.frozen_tower) is left out unless frozen_tower:
+    where the engine keeps what a push leaves out (rollout.Engine.keeps_unsent)."""
+    skip = () if frozen_tower else vision.frozen_tower(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     names = fsdp_utils.family(model.config.model_type)  # a tied model's two names
     if (path := getattr(model, "checkpoint_path", None)) is not None:
@@ -102,7 +109,7 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
         for name, tensor in checkpoint.tensors_beyond(path, held, dtype):
             stats["bytes"] += tensor.numel() * tensor.element_size()
             yield name, tensor
-    for name, full in full_params(model, dtype, by_unit):
+    for name, full in full_params(model, dtype, by_unit, skip):
         name = fsdp_utils.hf_name(name)
         stats["bytes"] += full.numel() * full.element_size()
         yield checkpoint.stored_name(model, name), full
@@ -169,7 +176,9 @@ def load(model: torch.nn.Module, engine) -> int:
             checkpoint.save_adapter(engine.adapter_dir, layers, engine.lora)
             engine.add_adapter()
     else:
-        engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit"))
+        leave = engine.keeps_unsent() and bool(vision.frozen_tower(model))
+        engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit",
+                                             frozen_tower=not leave), leaving_out=leave)
     return stats["bytes"]
 
 

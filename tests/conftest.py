@@ -132,6 +132,21 @@ def tiny_task_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_task(tmp_path_factory):
+    """The built-in tiny vision task (tiny_task arch qwen2_5_vl): a tiny Qwen2.5-VL, its
+    processor, and rows of coloured cells. Its processor needs torchvision (not in the npu-torch
+    lane: skipped there)."""
+    import importlib.util
+
+    import tiny_task
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("the tiny vision task's processor needs torchvision")
+    return tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tinyvl") / "task"),
+                                      arch="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tiny_task_dir, tmp_path_factory):
     """{"qwen2": model dir, "qwen3": model dir, "qwen3_moe": model dir}, same tokenizer."""
     import tiny_task

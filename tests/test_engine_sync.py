@@ -80,6 +80,16 @@ def test_a_vision_language_checkpoint_s_language_model_pushed_and_exported(tiny_
     assert loaded.count("LAYOUT_CAUGHT") == 4, loaded[-3000:]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prompts_with_images_engine_matches_trainer_after_pushes(tiny_vision_task, tp):
+    """The tiny vision task's Qwen2.5-VL, the whole model as the actor: after each push the
+    engine's logprobs of text after an image equal the trainer's (fp32, 1e-4); a frozen tower is
+    left out of the push (its bytes counted), a trained one is sent and the engine sees it."""
+    out = launch(["tests/workers/vision_parity.py", tiny_vision_task, str(tp)])
+    assert out.count("VISION_PARITY_OK") == 2, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if "VISION gap" in line))
+
+
 def test_export_loads_in_transformers_and_vllm(tiny_models, tmp_path):
     out = launch(["tests/workers/export_parity.py", tiny_models["qwen2"], str(tmp_path / "export")])
     assert out.count("EXPORT_PARITY_OK") == 2, out[-3000:]

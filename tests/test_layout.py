@@ -18,7 +18,7 @@ pytestmark = pytest.mark.main_only  # the code's shape: no library version enter
 ALLOWED = {
     "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
-    "rewards": {"plugins", "domains"}, "data": {"domains", "plugins"},
+    "rewards": {"plugins", "domains"}, "data": {"domains", "plugins", "vision"},
     "tracking": {"domains"},
     "offload": {"npu_ops", "checkpoint"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
@@ -29,7 +29,7 @@ ALLOWED = {
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups
     "partial": {"records", "rollout", "tracking"},  # carried groups across steps
-    "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint"},  # the push, the engine's turn
+    "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint", "vision"},  # the push
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
     "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
     "vision": set(),  # images in prompts: their records, their positions in a packed row
@@ -39,7 +39,7 @@ ALLOWED = {
     # on-policy distillation: the teacher, its pass, per-token advantages
     "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
-    "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains"},
+    "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains", "vision"},
     "openai_api": set(),  # the chat-completions wire format, the HTTP endpoint that serves it
     # agents that speak OpenAI: an endpoint over the engine, their calls as samples
     "agents": {"envs", "episodes", "openai_api", "partial", "plugins", "records",

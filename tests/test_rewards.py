@@ -147,7 +147,7 @@ def test_resolve(plugin):
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("nope", "not a built-in (tiny_sum, gsm8k, math, format, agent)"),
+    ("nope", "not a built-in (tiny_sum, tiny_colour, gsm8k, math, format, agent)"),
     ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
     ("no/such/file.py:fn", "file 'no/such/file.py' not found"),
     ("my_reward_mod:missing", "'my_reward_mod' has no 'missing'"),
@@ -281,3 +281,11 @@ def test_a_job_cut_by_ctrl_c_leaves_no_answer_for_the_next_one(plugin):
             signal.signal(signal.SIGALRM, old)
         out = scorer.score(["8", "8"], [{"answer": "7"}] * 2)
         assert out["by_name"]["my_reward_mod:slow"] == [0.0, 0.0], out
+
+
+def test_tiny_colour_scores_as_tiny_sum_does():
+    from rewards import tiny_colour
+
+    ex = {"answer": "red"}
+    assert [tiny_colour(c, ex) for c in ("red", " red ", "redd", "red blue", "blue", "", "re")] \
+        == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0]

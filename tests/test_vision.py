@@ -301,3 +301,107 @@ def test_a_prompt_with_images_through_the_checkpoints_processor(tiny_vl_hybrid, 
         assert ids2 == one[0] and torch.equal(v2.pixel_values, one[1].pixel_values)
     with pytest.raises(ValueError, match="not int"):
         vision.load_image(3)
+
+
+def test_a_placeholder_token_in_a_response_is_text_as_in_the_engine():
+    """The model may write an image or video placeholder token; the engine embeds it as text
+    (only the prompt's placeholders take an image's features). The packed pass (vision.patch's
+    hooks) against a forward built by hand the same way: the ids' own embeddings, the image
+    features scattered into the prompt's placeholders only, the language model on that at the
+    sample's positions; each sample alone."""
+    model = vl_model("qwen2_5_vl", fsdp_utils.register_attention("sdpa"))
+    samples = samples_of(LAYOUT, seed=4)
+    samples[0].response_ids[2], samples[2].response_ids[0] = IMAGE, 121  # image, video token
+    with torch.no_grad():
+        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
+                              16)["logp"]
+        want, inner = [], model.model
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            h = inner.get_input_embeddings()(ids)
+            if s.vision is not None:
+                feats = inner.visual(s.vision.pixel_values, grid_thw=s.vision.grid_thw)
+                feats = getattr(feats, "pooler_output", feats)
+                slots = torch.zeros_like(ids, dtype=torch.bool)
+                slots[0, :len(s.prompt_ids)] = ids[0, :len(s.prompt_ids)] == IMAGE
+                h = h.masked_scatter(slots[..., None], torch.cat(list(feats)) if isinstance(
+                    feats, (list, tuple)) else feats)
+            pos = vision.sample_positions(s)[:, None]
+            out = inner.language_model(inputs_embeds=h, position_ids=pos).last_hidden_state
+            z = model.lm_head(out)[0, len(s.prompt_ids) - 1:-1] / 0.7
+            want.append(z.log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
+    want = torch.cat(want)
+    assert (packed - want).abs().max() < 1e-10 * want.abs().max()
+
+
+def test_the_data_of_the_tiny_vision_task_through_its_processor(tiny_vision_task):
+    """data.load_examples with data.image_key: each example's ids with its image's placeholder
+    expanded to its 2 x 2 merged patches, the engine's ids with one placeholder, the text
+    between them; vision.media then gives the same ids' patches (16 of 14 x 14 pixels x 3
+    channels x 2 frames), grid and positions."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    import data
+
+    root = tiny_vision_task
+    processor = AutoProcessor.from_pretrained(f"{root}/model")
+    tok = AutoTokenizer.from_pretrained(f"{root}/model")
+    cfg = data.DataConfig(path=f"{root}/train.jsonl", image_key="images", chat_template=True)
+    examples = data.load_examples(cfg, tok, processor=processor)
+    image = tok.convert_tokens_to_ids("<|image_pad|>")
+    ex = examples[0]
+    assert ex["prompt_ids"].count(image) == 4 and ex["engine_prompt_ids"].count(image) == 1
+    assert len(ex["prompt_ids"]) == len(ex["engine_prompt_ids"]) + 3
+    assert ex["prompt_text"] == ("<|user|><|vision_start|><|image_pad|><|vision_end|>colour?"
+                                 "<eos><|assistant|>")
+    m = vision.media(processor, ex, "images")
+    assert m.engine_ids == ex["engine_prompt_ids"] and len(m.images) == 1
+    assert m.vision.grid_thw.tolist() == [[1, 4, 4]]
+    assert m.vision.pixel_values.shape == (16, 3 * 2 * 14 * 14)
+    assert torch.equal(m.vision.positions, vision.positions(ex["prompt_ids"], image,
+                                                           m.vision.grid_thw, 2))
+    ex["prompt_text"] = ex["prompt_text"].replace("colour", "color")
+    with pytest.raises(RuntimeError, match="differently from when the data loaded"):
+        vision.media(processor, ex, "images")
+
+
+def test_what_images_cannot_do_yet_is_refused_before_load(tiny_vision_task, tiny_task_dir):
+    import config
+    from train_grpo import load_config, resolve
+
+    base = ["--data.tiny_task_dir=", f"--model.path={tiny_vision_task}/model",
+            f"--data.path={tiny_vision_task}/train.jsonl", "--data.image_key=images",
+            "--data.chat_template=true", "--reward.funcs=[tiny_colour]"]
+    config.check_model(resolve(load_config("configs/vlm_cpu.yaml", base)))
+    for extra, match in ((["--data.chat_template=false"], "data.chat_template=true"),
+                         ([f"--model.path={tiny_task_dir}/model"], "not a vision-language"),
+                         (["--model.sp_size=2"], "with model.sp_size"),
+                         (["--model.lora.rank=8"], "model.lora.rank"),
+                         (["--env.name=calculator"], "with env.name")):
+        with pytest.raises(config.BadInput, match=match):
+            config.check_model(resolve(load_config("configs/vlm_cpu.yaml", base + extra)))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_export_of_the_whole_model_loads_with_its_processor(tiny_vision_task, tmp_path):
+    """checkpoint.save_hf of an actor built with images: transformers loads the export as the
+    vision-language model it was, changed weights and all, and its processor from the same
+    directory (the files vLLM builds its image processor from)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    import checkpoint
+
+    path = f"{tiny_vision_task}/model"
+    actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=path, param_dtype="float32"),
+                                   init_device_mesh("cpu", (1,)), images=True)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.to_local().add_(0.01)
+    checkpoint.save_hf(actor, AutoTokenizer.from_pretrained(path), str(tmp_path / "x"),
+                       source=path)
+    out = AutoModelForImageTextToText.from_pretrained(tmp_path / "x", dtype=torch.float32)
+    mine = {n: p.full_tensor() for n, p in actor.named_parameters()}
+    for name, value in out.named_parameters():
+        assert torch.equal(value, mine[name]), name
+    assert AutoProcessor.from_pretrained(tmp_path / "x").image_processor.merge_size == 2
