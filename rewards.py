@@ -86,8 +86,10 @@ def math(completion: str, example: dict) -> float:
     mathematically ("\\frac{1}{2}" == "0.5", "1,000" == "1000"). Raises on an unparsable reference.
     """
     gold = str(example["answer"]).rsplit("####", 1)[-1].strip()
-    # bare LaTeX such as \sqrt{2} is found only between $...$; "72 dollars" only outside them
-    gold_parsed = _parse(gold) or _parse(f"${gold}$")
+    # bare LaTeX such as \sqrt{2} is found only between $...$, and "2\sqrt{3}" outside them
+    #   parses as 2 (Geometry3K's answers are such); "72 dollars" only outside them
+    gold_parsed = ((_parse(f"${gold}$") if "\\" in gold else None) or _parse(gold)
+                   or _parse(f"${gold}$"))
     if not gold_parsed:
         raise ValueError(f"reference answer cannot be parsed: {example['answer']!r}")
     if "\\boxed" not in completion and "####" in completion:

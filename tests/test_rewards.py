@@ -45,6 +45,8 @@ def test_gsm8k_bad_reference_raises():
     ("The final answer is $\\boxed{\\dfrac{1}{2}}$", "0.5", 1.0),
     ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
     ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt{3}", 1.0),  # a bare LaTeX gold, as Geometry3K's
+    ("\\boxed{2}", "2\\sqrt{3}", 0.0),  # (read outside $...$ the gold was 2)
     ("She pays 3 * 24 = 72 dollars.\n#### 72", "Natalia sold 48/2 = 24 ... #### 72", 1.0),
     ("#### 72\nI hope 5 is right", "72", 1.0),  # GSM8K: the line after #### is the answer
     ("the total is 1,000", "1000", 1.0),
