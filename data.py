@@ -37,8 +37,8 @@ class DataConfig:
     # held-out set for log.eval_every, same kinds as path (empty: train)
     eval_path: Annotated[str, Anything(LOADS)] = ""
     eval_split: Annotated[str, Anything(LOADS)] = "test"  # split of eval_path
-    # "gsm8k" | "math" | "": fills the fields left at their defaults (PRESETS)
-    preset: Annotated[str, OneOf("", "gsm8k", "math")] = ""
+    # "gsm8k" | "math" | "geo3k" (images) | "": fills the fields left at their defaults (PRESETS)
+    preset: Annotated[str, OneOf("", "gsm8k", "math", "geo3k")] = ""
     # column holding the prompt: text, or a list of {role, content}
     prompt_key: Annotated[str, Anything(LOADS)] = "prompt"
     # column holding the gold answer ("": none, example["answer"] None)
@@ -138,6 +138,15 @@ PRESETS = {
                  prompt_key="problem", answer_key="solution",
                  prompt_suffix=" Please reason step by step, and put your final answer within \\boxed{}.",
                  extract=boxed_answer),
+    # Geometry3K with its diagrams (the set verl's and EasyR1's vision recipes train on): columns
+    #   images (one diagram), problem ("<image>" where it goes), answer (bare: "3", "2\\sqrt{3}"),
+    #   splits train / validation / test; reward.funcs=[math]. Not reachable from where this
+    #   was written (no hub access): untested here.
+    "geo3k": dict(path="hiyouga/geometry3k", config_name="", eval_path="hiyouga/geometry3k",
+                  prompt_key="problem", answer_key="answer", image_key="images",
+                  chat_template=True,
+                  prompt_suffix=" Please reason step by step, and put your final answer within \\boxed{}.",
+                  extract=str.strip),
 }
 _SOURCE = ("path", "config_name", "eval_path")  # where the rows come from: all from one place
 

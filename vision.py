@@ -203,15 +203,26 @@ def as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+MARKER = "<image>"  # where a dataset's text puts an image (LLaVA's form; Geometry3K's)
+
+
 def with_images(messages: list[dict], count: int) -> list[dict]:
-    """The conversation with `count` images at the start of its first user turn, as chat
-    templates of vision-language models take them: that turn's content a list of parts,
-    {"type": "image"} for each image, then {"type": "text", "text": ...}."""
+    """The conversation with its `count` images in its first user turn, as chat templates of
+    vision-language models take them: that turn's content a list of parts, {"type": "image"}
+    for each image and {"type": "text", "text": ...}. Where the turn's text marks each image
+    with MARKER, the images go there (the markers removed); else all of them before the text."""
     out, placed = [dict(m) for m in messages], False
     for m in out:
-        if m["role"] == "user" and not placed:
-            m["content"] = [{"type": "image"}] * count + [{"type": "text", "text": m["content"]}]
-            placed = True
+        if m["role"] != "user" or placed:
+            continue
+        pieces = m["content"].split(MARKER)
+        if len(pieces) != count + 1:  # no markers (or not one per image): images first
+            pieces = [""] * count + [m["content"].replace(MARKER, "")]
+        parts = []
+        for i, text in enumerate(pieces):
+            parts += [{"type": "image"}] if i else []
+            parts += [{"type": "text", "text": text}] if text else []
+        m["content"], placed = parts, True
     return out
 
 

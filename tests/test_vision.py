@@ -405,3 +405,40 @@ def test_the_export_of_the_whole_model_loads_with_its_processor(tiny_vision_task
     for name, value in out.named_parameters():
         assert torch.equal(value, mine[name]), name
     assert AutoProcessor.from_pretrained(tmp_path / "x").image_processor.merge_size == 2
+
+
+def test_images_go_where_the_text_marks_them_else_first():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "<image>Find x."},
+            {"role": "user", "content": "later"}]
+    got = vision.with_images(msgs, 1)
+    assert got[1]["content"] == [{"type": "image"}, {"type": "text", "text": "Find x."}]
+    assert got[0] == msgs[0] and got[2] == msgs[2] and msgs[1]["content"] == "<image>Find x."
+    two = vision.with_images([{"role": "user", "content": "a <image> b <image>"}], 2)[0]["content"]
+    assert two == [{"type": "text", "text": "a "}, {"type": "image"}, {"type": "text", "text": " b "},
+                   {"type": "image"}]
+    first = vision.with_images([{"role": "user", "content": "q <image>"}], 2)[0]["content"]
+    assert first == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "q "}]
+
+
+def test_the_geo3k_preset_reads_a_copy_of_geometry3k(tiny_vision_task, tmp_path):
+    """data.preset=geo3k on an offline copy in Geometry3K's columns (images, problem with its
+    "<image>" marker, a bare answer): the image where the marker was, the instruction after,
+    the answer as given; the `math` reward scores a boxed answer against it."""
+    import datasets
+    from PIL import Image
+    from transformers import AutoProcessor, AutoTokenizer
+
+    import data
+    import rewards
+
+    rows = {"images": [[Image.new("RGB", (56, 56), (200, 10, 10))]] * 2,
+            "problem": ["<image>Find x.", "<image>Find y."], "answer": ["3", "2\\sqrt{3}"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "g")
+    cfg = data.DataConfig(preset="geo3k", path=str(tmp_path / "g"), eval_path=str(tmp_path / "g"))
+    path = f"{tiny_vision_task}/model"
+    examples = data.load_examples(cfg, AutoTokenizer.from_pretrained(path),
+                                  processor=AutoProcessor.from_pretrained(path))
+    assert [e["answer"] for e in examples] == ["3", "2\\sqrt{3}"]
+    assert examples[0]["prompt_text"].startswith(
+        "<|user|><|vision_start|><|image_pad|><|vision_end|>Find x. Please reason step by step")
+    assert rewards.math("so \\boxed{2\\sqrt{3}}", examples[1]) == 1.0
