@@ -176,8 +176,9 @@ class ModelConfig:
         on, teacher = offload.enabled(self.offload), cfg.distill.teacher
         if not (on or ref_dtype or teacher):
             return
+        tower = ("" if not cfg.data.image_key else "trained" if self.train_vision else "frozen")
         need_bytes = offload.host_bytes_per_rank(self.path, world_size, on, ref_dtype,
-                                                 compute if lora else None)
+                                                 compute if lora else None, tower)
         if os.path.isdir(teacher):  # parked like a reference, in its own dtype
             need_bytes += offload.host_bytes_per_rank(teacher, world_size, False, getattr(
                 torch, cfg.distill.dtype or self.param_dtype))

@@ -203,21 +203,28 @@ def enabled(mode: str) -> bool:
 
 
 def host_bytes_per_rank(model_path: str, world: int, offload: bool, reference_dtype=None,
-                        frozen_dtype=None) -> int:
+                        frozen_dtype=None, tower: str = "") -> int:
     """The host memory one rank's copies take: with the offload, the actor's fp32 shards and
     Adam's two fp32 moments (12 bytes per parameter over the ranks), or with adapters on a base
     frozen in `frozen_dtype`, that base's shards (the adapters and their moments, a few percent
-    at most, not counted); with a reference, its shards in `reference_dtype`. Counted on a model
-    built on the meta device from config.json (no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    at most, not counted); with a reference, its shards in `reference_dtype`. tower: "" (a
+    vision-language checkpoint's language model alone), "frozen" (the whole model, its tower's
+    fp32 shards without moments: 4 bytes a parameter) or "trained" (the whole model). Counted on
+    a model built on the meta device from config.json (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    hf_cfg = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            checkpoint.language_config(AutoConfig.from_pretrained(model_path)))
+        model = (AutoModelForImageTextToText.from_config(hf_cfg) if tower else
+                 AutoModelForCausalLM.from_config(checkpoint.language_config(hf_cfg)))
     params = sum(p.numel() for p in model.parameters())  # a tied embedding once
+    still = (sum(p.numel() for p in model.get_submodule("model.visual").parameters())
+             if tower == "frozen" else 0)
     actor = frozen_dtype.itemsize if frozen_dtype is not None else 12
     per_param = (actor if offload else 0) + (reference_dtype.itemsize if reference_dtype else 0)
-    return -(-params // world) * per_param
+    return (-(-(params - still) // world) * per_param
+            + -(-still // world) * ((4 if offload else 0) + (reference_dtype.itemsize
+                                                              if reference_dtype else 0)))
 
 
 def host_memory_available() -> int | None:

@@ -426,8 +426,10 @@ class Engine:
         finally:
             _LEAVING_OUT["on"] = False
         self.llm.reset_prefix_cache()
-        # a vision tower's outputs, cached by image (vLLM 0.23, 0.32: no LLM method for it)
-        getattr(self.llm.llm_engine, "reset_encoder_cache", lambda: None)()
+        # a vision tower's outputs, cached by image: the reload emptied the worker's cache, not
+        #   the scheduler's count of it (vLLM 0.23, 0.32 v1/engine/llm_engine.py; no LLM method;
+        #   docs/engine.md, "Images in prompts")
+        self.llm.llm_engine.reset_encoder_cache()
 
     def keeps_unsent(self) -> bool:
         """Whether a weight a push leaves out keeps its value: vLLM's layerwise reload puts a

@@ -133,7 +133,7 @@ def frozen_tower(model) -> set[str]:
 
 
 def patch(model) -> None:
-    """Two forward pre-hooks on a vision-language model:
+    """Forward hooks on a vision-language model, and its tower's attention:
     - Keep the packed row's boundaries (ROW_KEYS) away from the vision tower: transformers'
       vision-language forward hands its keyword arguments on to the tower, whose attention
       takes its own boundaries (one per image) under the same names, so flash attention would
@@ -165,6 +165,9 @@ def patch(model) -> None:
     tower(model).register_forward_pre_hook(drop, with_kwargs=True)
     model.get_submodule("model").register_forward_pre_hook(prompts_only, with_kwargs=True)
     embedding.register_forward_hook(put_back)
+    # the tower's attention is bidirectional, one image at a time: transformers' sdpa, not the
+    #   language model's functions (fsdp_utils.packed_sdpa, npu_ops.fusion_attention: causal)
+    tower(model).config._attn_implementation = "sdpa"
 
 
 def load_image(x):

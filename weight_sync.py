@@ -176,9 +176,10 @@ def load(model: torch.nn.Module, engine) -> int:
             checkpoint.save_adapter(engine.adapter_dir, layers, engine.lora)
             engine.add_adapter()
     else:
-        leave = engine.keeps_unsent() and bool(vision.frozen_tower(model))
+        leave = bool(vision.frozen_tower(model)) and engine.keeps_unsent()
         engine.load_weights(iter_full_params(model, dtype, stats, engine.cfg.sync_by == "unit",
-                                             frozen_tower=not leave), leaving_out=leave)
+                                             frozen_tower=not leave),
+                            **({"leaving_out": True} if leave else {}))
     return stats["bytes"]
 
 

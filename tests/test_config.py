@@ -168,7 +168,8 @@ def test_yaml_errors_and_close_keys(tmp_path):
     ("configs/qwen2.5-7b-math-npu8.yaml", 8), ("configs/qwen2.5-0.5b-gsm8k-npu1.yaml", 1),
     ("configs/qwen2.5-0.5b-gsm8k-cuda1.yaml", 1),
     ("configs/qwen2.5-0.5b-gsm8k-tool-cuda1.yaml", 1),
-    ("configs/qwen3-30b-a3b-gsm8k-npu16.yaml", 16)])
+    ("configs/qwen3-30b-a3b-gsm8k-npu16.yaml", 16),
+    ("configs/qwen2.5-vl-7b-geo3k-npu8.yaml", 8)])
 def test_shipped_accelerator_configs_are_consistent(path, world, tmp_path, monkeypatch):
     """The shipped configs load and pass the model-free checks at their world size (the NPU ones
     as on an NPU: the engine's options checked for the platform they are for); their data

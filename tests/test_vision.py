@@ -154,6 +154,9 @@ def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
     """logprobs.run on one packed row (chunks of 5) against transformers' forward of each sample
     alone, log softmax(logits / 0.7), its own positions; logprobs and every gradient."""
     model = vl_model(arch, fsdp_utils.register_attention("sdpa"))
+    # the tower's attention is not the language model's (causal, packed) function
+    assert vision.tower(model).config._attn_implementation == "sdpa"
+    assert model.model.language_model.config._attn_implementation == "packed_sdpa"
     twin = copy.deepcopy(model)
     twin.config._attn_implementation = "sdpa"
     samples = samples_of(LAYOUT, seed=1)
@@ -442,3 +445,42 @@ def test_the_geo3k_preset_reads_a_copy_of_geometry3k(tiny_vision_task, tmp_path)
     assert examples[0]["prompt_text"].startswith(
         "<|user|><|vision_start|><|image_pad|><|vision_end|>Find x. Please reason step by step")
     assert rewards.math("so \\boxed{2\\sqrt{3}}", examples[1]) == 1.0
+
+
+def test_the_qwen2_5_vl_7b_configs_arithmetic(tmp_path, monkeypatch):
+    """configs/qwen2.5-vl-7b-geo3k-npu8.yaml's numbers, on Qwen2.5-VL-7B built on the meta
+    device from its published shape: 8.29B parameters, 0.68B of them the tower's, 11.8 GB a rank
+    in host memory with the offload at 8 ranks and the tower frozen (offload.host_bytes_per_rank,
+    what the run checks); the config passes the model-free checks on an NPU at 8 ranks."""
+    import transformers
+
+    import npu_ops
+    import offload
+    from config import validate
+    from train_grpo import load_config
+
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         max_position_embeddings=128000, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                           out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], in_channels=3),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in vision.tower(model).parameters())
+    assert (round(total / 1e9, 2), round(tower / 1e9, 2)) == (8.29, 0.68)
+    per_rank = offload.host_bytes_per_rank(str(tmp_path), 8, True, tower="frozen")
+    assert per_rank == -(-(total - tower) // 8) * 12 + -(-tower // 8) * 4
+    assert round(per_rank / 1e9, 1) == 11.8 and round(8 * per_rank / 1e9) == 94
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
+    run = load_config("configs/qwen2.5-vl-7b-geo3k-npu8.yaml", [f"--model.path={tmp_path}"])
+    validate(run, world_size=8)
+    assert run.data.preset == "geo3k" and not run.model.train_vision
