@@ -1,6 +1,6 @@
 """Image prompts in packed rows (vision.py, logprobs.micro_batch), in fp64, on a tiny random
-Qwen2.5-VL and a tiny random Qwen3-VL (whose tower also feeds its features into the first
-decoder layers):
+Qwen2.5-VL, a tiny random Qwen3-VL (whose tower also feeds its features into the first decoder
+layers) and a tiny random Qwen3.5 (a Gated DeltaNet layer and a full-attention one, hybrid.py):
 - vision.positions, and each sample's block of a packed row's positions, equal transformers'
   own get_rope_index of that sample (prompt and response) computed alone;
 - each sample of a packed row of image and text prompts gets the logprobs it gets alone;
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fsdp_utils
+import hybrid
 import logprobs
 import vision
 from records import Sample
@@ -29,7 +30,7 @@ from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
 
 IMAGE, START, END, VOCAB = 120, 122, 123, 128
 PATCH, MERGE, TEMPORAL = 14, 2, 2
-ARCHS = pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+ARCHS = pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 
 
 def vl_model(arch: str, attn: str):
@@ -46,17 +47,26 @@ def vl_model(arch: str, attn: str):
     if arch == "qwen2_5_vl":
         tower.update(out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
         config, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
-    else:
+    elif arch == "qwen3_vl":
         text.update(head_dim=32, rope_parameters={**text["rope_parameters"],
                                                   "mrope_interleaved": True})
         tower.update(out_hidden_size=64, num_position_embeddings=64,
                      deepstack_visual_indexes=[0])
         config, cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    else:  # qwen3_5: a Gated DeltaNet layer and a full-attention one (hybrid.py)
+        text.update(head_dim=32, layer_types=["linear_attention", "full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    rope_parameters={**text["rope_parameters"], "mrope_interleaved": True,
+                                     "partial_rotary_factor": 1.0})
+        tower.update(out_hidden_size=64, num_position_embeddings=64)
+        config, cls = transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration
     cfg = config(text_config=text, vision_config=tower, image_token_id=IMAGE, video_token_id=121,
                  vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(0)
     model = cls._from_config(cfg, attn_implementation=attn).double()
     vision.patch(model)
+    hybrid.patch(model)
     return model
 
 
