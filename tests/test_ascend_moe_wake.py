@@ -139,6 +139,8 @@ class AscendLLM:
         self.worker = type("Worker", (), {"vllm_config": VllmConfig(),
                                           "model_runner": Runner(hf)})()
         self.level = None
+        # (LLM.llm_engine: a push ends by dropping its cached image features)
+        self.llm_engine = type("LLMEngine", (), {"reset_encoder_cache": lambda self: None})()
 
     def sleep(self, level):
         self.level = level

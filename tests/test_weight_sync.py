@@ -102,6 +102,9 @@ class FakeLLM:
                                          n for n, _ in weights_iterator),
                                      "get_model": lambda _: torch.nn.Module()})()
         self.worker = type("Worker", (), {"vllm_config": VllmConfig(), "model_runner": runner})()
+        calls = self.calls  # LLM.llm_engine: the encoder cache a push drops
+        self.llm_engine = type("LLMEngine", (), {"reset_encoder_cache": lambda _: calls.append(
+            ("reset_encoder_cache",))})()
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
