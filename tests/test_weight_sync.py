@@ -149,7 +149,8 @@ def test_engine_guards_the_wake_order():
     # the prefix cache is dropped right after the load, before anything can generate
     # level 2 by default: the worker restores buffers at the first wake, which must be "weights"
     assert fake.calls == [("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",),
-                          ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+                          ("reset_prefix_cache",), ("reset_encoder_cache",),
+                          ("wake_up", ("kv_cache",))]
 
 
 @pytest.mark.engine
@@ -305,7 +306,8 @@ def test_wake_releases_the_trainers_cache_first_and_logs_memory(monkeypatch):
     engine.wake(["weights"])
     engine.load_weights(iter([("a", torch.zeros(1))]))
     engine.wake(["kv_cache"])
-    assert [c for c in fake.calls if c[0] != "collective_rpc" and c[0] != "reset_prefix_cache"] == [
+    assert [c for c in fake.calls if c[0] not in ("collective_rpc", "reset_prefix_cache",
+                                                  "reset_encoder_cache")] == [
         ("sleep", 2), ("release",), ("wake_up", ("weights",)), ("release",),
         ("wake_up", ("kv_cache",))]
     assert engine.memory.events == {"sleep": (0.0, 1.0), "wake_weights": (2.0, 3.0),
