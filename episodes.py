@@ -259,7 +259,7 @@ class EpisodeRunner:
         media = ([vision.media(self.processor, ex, self.image_key) for ex in batch]
                  if self.image_key else None)
         first = engine.generate([ex["prompt_ids"] for ex in batch], n=n, greedy=greedy, seed=seed,
-                                media=media)
+                                **({"media": media} if media else {}))
         examples = [ex for ex in batch for _ in range(n)]
         if self.worker is None:  # one turn: the samples as the engine made them
             texts = self.tokenizer.batch_decode([s.response_ids for s in first],

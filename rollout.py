@@ -420,26 +420,13 @@ class Engine:
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_weights, "
                                "or the load writes into unmapped memory")
-        _LEAVING_OUT["on"] = leaving_out
-        try:
-            _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors))
-        finally:
-            _LEAVING_OUT["on"] = False
+        _reload_weights_in_place(self.llm, as_vllm_loads(named_tensors), leaving_out)
         self.llm.reset_prefix_cache()
-        # a vision tower's outputs, cached by image: the reload emptied the worker's cache, not
-        #   the scheduler's count of it (vLLM 0.23, 0.32 v1/engine/llm_engine.py; no LLM method;
-        #   docs/engine.md, "Images in prompts")
-        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.llm_engine.reset_encoder_cache()  # (_reload_weights_in_place says why)
 
     def keeps_unsent(self) -> bool:
-        """Whether a weight a push leaves out keeps its value: vLLM's layerwise reload puts a
-        layer that received nothing back as it was (0.32 model_loader/reload/layerwise.py,
-        _place_kernel_tensors; 0.23 refuses such a push), and the sleep kept the weights (no
-        sleep here, or level 1, which copies them to host memory and back)."""
-        import vllm
-
-        kept = not self.can_sleep or (self.lora is not None or self.cfg.sleep_level == 1)
-        return kept and _minor(vllm.__version__) in KEEPS_UNSENT_VLLM
+        """Whether a weight a push leaves out keeps its value (_keeps_unsent)."""
+        return _keeps_unsent(self.cfg, self.can_sleep, self.lora)
 
     def load_adapter(self, layers: dict) -> bool:
         """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
@@ -837,14 +824,30 @@ def _moe_prepacked_on_update():
         method._setup_kernel = setup
 
 
-def _reload_weights_in_place(llm, named_tensors) -> None:
+def _keeps_unsent(cfg: RolloutConfig, can_sleep: bool, lora) -> bool:
+    """Whether a weight a push leaves out keeps its value: vLLM's layerwise reload puts a layer
+    that received nothing back as it was (0.32 model_loader/reload/layerwise.py,
+    _place_kernel_tensors; 0.23 refuses such a push), and the sleep kept the weights (no sleep
+    here, or level 1, which copies them to host memory and back; LoRA's engine sleeps so)."""
+    import vllm
+
+    kept = not can_sleep or lora is not None or cfg.sleep_level == 1
+    return kept and _minor(vllm.__version__) in KEEPS_UNSENT_VLLM
+
+
+def _reload_weights_in_place(llm, named_tensors, leaving_out: bool = False) -> None:
     """The model runner's `reload_weights(weights_iterator=...)` copies each (checkpoint name,
     tensor) pair into the existing parameter storage, layer by layer, sharding for tensor
     parallelism and running `process_weights_after_loading` once per layer (vLLM 0.23, 0.32
     model_loader/reload/layerwise.py). The model runner's, not the worker's method of the same
     name, which vLLM-Ascend 0.23's NPUWorker lacks. The iterator is consumed lazily in this
     process (external launcher): the caller gathers one layer at a time. Never reload with no
-    iterator: that reads the checkpoint from disk, i.e. the base model."""
+    iterator: that reads the checkpoint from disk, i.e. the base model. leaving_out: the pairs
+    leave weights out on purpose (a frozen vision tower: quiet_rotary_reload_warning).
+    After it the caller drops the engine's cached image features (llm_engine.reset_encoder_cache,
+    vLLM 0.23, 0.32 v1/engine/llm_engine.py): 0.32's reload empties the worker's encoder cache
+    but not the scheduler's count of it (without the reset the next generate with the same
+    images failed, "Encoder cache miss"), and 0.23's keeps the old tower's features."""
     from vllm.config import set_current_vllm_config
 
     _check_version()
@@ -853,7 +856,11 @@ def _reload_weights_in_place(llm, named_tensors) -> None:
         with set_current_vllm_config(worker.vllm_config), _moe_prepacked_on_update():
             worker.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
-    llm.collective_rpc(load, kwargs={"weights": named_tensors})
+    _LEAVING_OUT["on"] = leaving_out
+    try:
+        llm.collective_rpc(load, kwargs={"weights": named_tensors})
+    finally:
+        _LEAVING_OUT["on"] = False
 
 
 # set while a push leaves out weights on purpose (a frozen vision tower: Engine.load_weights)

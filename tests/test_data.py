@@ -183,7 +183,7 @@ def test_apply_preset_fills_only_defaults():
     own = apply_preset(DataConfig(preset="math", path="x.jsonl"))
     assert (own.path, own.config_name, own.eval_path, own.prompt_key) == ("x.jsonl", "", "", "problem")
     assert apply_preset(DataConfig()) == DataConfig()
-    with pytest.raises(ValueError, match=r"data\.preset='gsm9k' is unknown.*\['gsm8k', 'math'\]"):
+    with pytest.raises(ValueError, match=r"data\.preset='gsm9k' is unknown.*\['geo3k', 'gsm8k', 'math'\]"):
         apply_preset(DataConfig(preset="gsm9k"))
 
 

@@ -331,7 +331,10 @@ FUNCTIONS = ("nonzero", "masked_select", "unique", "repeat_interleave")
 
 class SyncCounter:
     """While `on`, counts the calls above (and bool-mask indexing, and repeat_interleave without
-    output_size), by call site."""
+    output_size), by call site. Indexing is seen through a torch function mode (`indexing`), not
+    by patching torch.Tensor's __getitem__: setting and then deleting that on the class leaves
+    CPython's sequence slot filled, and torch.tensor([a 0-d tensor, ...]) then fails for the rest
+    of the session ("len() of a 0-d tensor", inside transformers' get_rope_index)."""
 
     def __init__(self, monkeypatch):
         self.on, self.sites, self.windows = False, collections.Counter(), 0
@@ -339,8 +342,21 @@ class SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, self.wrap(getattr(torch.Tensor, name), name))
         for name in FUNCTIONS:
             monkeypatch.setattr(torch, name, self.wrap(getattr(torch, name), "torch." + name))
-        for name in ("__getitem__", "__setitem__"):
-            monkeypatch.setattr(torch.Tensor, name, self.wrap(getattr(torch.Tensor, name), name))
+
+    def indexing(self):
+        """A torch function mode, entered around the counted work, that counts bool-mask
+        indexing (Tensor.__getitem__, __setitem__) like the calls above."""
+        counter = self
+
+        class Indexing(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if name in ("__getitem__", "__setitem__"):
+                    return counter.wrap(func, name, depth=3)(*args, **kwargs)
+                return func(*args, **kwargs)
+
+        return Indexing()
 
     def counts(self, name, args, kwargs) -> bool:
         if name in ("__getitem__", "__setitem__"):
@@ -351,11 +367,11 @@ class SyncCounter:
                 kwargs.get("output_size") is None)
         return True
 
-    def wrap(self, fn, name):
+    def wrap(self, fn, name, depth: int = 2):
         def counted(*args, **kwargs):
             if self.on and self.counts(name, args, kwargs):
                 self.on = False  # not inside our own bookkeeping
-                site = traceback.extract_stack(limit=2)[0]
+                site = traceback.extract_stack(limit=depth)[0]  # the caller's line
                 self.sites[f"{name} at {site.filename}:{site.lineno}"] += 1
                 self.on = True
             return fn(*args, **kwargs)
@@ -394,9 +410,11 @@ def test_no_host_sync_in_a_micro_batch(arch, sharded, mode, world_of_one, monkey
     counter.around(model, monkeypatch)
     g = grpo.GRPOConfig(is_correction=mode, kl_coef=0.1, micro_batch_tokens=4096)  # one
     ref = [[-1.0] * len(s.response_ids) for s in samples]
-    for old in (None, ref):  # on-policy, and off-policy with a reference
-        grpo.accumulate_gradients(model, reference.batch_of(samples, torch.randn(len(samples))),
-                                  old, ref, reference.settings(g, 0.7))
+    with counter.indexing():
+        for old in (None, ref):  # on-policy, and off-policy with a reference
+            grpo.accumulate_gradients(model, reference.batch_of(samples,
+                                                                torch.randn(len(samples))),
+                                      old, ref, reference.settings(g, 0.7))
     assert counter.windows == 2 and not counter.on  # each forward opened it, backward closed it
     assert not counter.sites, dict(counter.sites)
     # the check can fail: a read in the window is counted
@@ -415,7 +433,8 @@ def test_no_host_sync_in_the_logprob_pass(world_of_one, monkeypatch):
     model.register_forward_hook(lambda *_: setattr(counter, "windows", counter.windows + 1))
     model.register_forward_hook(lambda *_: setattr(counter, "on", False))
     g = grpo.GRPOConfig(micro_batch_tokens=64)  # several micro-batches
-    logprobs.sample_logprobs(model, samples, reference.settings(g, 0.7))
+    with counter.indexing():
+        logprobs.sample_logprobs(model, samples, reference.settings(g, 0.7))
     assert counter.windows == 4
     assert not counter.sites, dict(counter.sites)
 
