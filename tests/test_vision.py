@@ -15,8 +15,8 @@ whole): 1e-10 relative on logprobs, 1e-8 of the largest gradient (as tests/test_
 bounds fp64 sums over a few hundred terms). The mutation moves logprobs by 1e-3 and more."""
 
 import copy
-import os
 import inspect
+import os
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ import hybrid
 import logprobs
 import vision
 from records import Sample
+from test_hybrid import logp_packed_and_alone  # the same pass, packed and each alone
 from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
 
 IMAGE, START, END, VOCAB = 120, 122, 123, 128
@@ -141,15 +142,6 @@ def test_each_samples_positions_in_a_packed_row_are_transformers_own(arch):
     assert k == pos.shape[1]
     assert torch.equal(mb.inputs["image_grid_thw"],
                        torch.cat([s.vision.grid_thw for s in samples if s.vision is not None]))
-
-
-def logp_packed_and_alone(model, samples):
-    with torch.no_grad():
-        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
-                              16)["logp"]
-        alone = [logprobs.run(model, logprobs.micro_batch([s], 0, True, model.config), 0.7,
-                              16)["logp"] for s in samples]
-    return packed, torch.cat(alone)
 
 
 @ARCHS
