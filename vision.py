@@ -83,14 +83,10 @@ def row_inputs(samples: list, text_positions: torch.Tensor) -> dict:
     multimodal ones end to end; and where any sample has images, their pixel_values and
     image_grid_thw in row order."""
     mrope = torch.cat([sample_positions(s) for s in samples], 1)
-    out = {"position_ids": torch.cat([text_positions[None], mrope])[:, None]}
-    seen = images(samples)
-    if seen:
-        out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
-        out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
-        out["prompt_mask"] = torch.cat([torch.arange(len(s.prompt_ids) + len(s.response_ids))
-                                        < len(s.prompt_ids) for s in samples])[None]
-    return out
+    positions = torch.cat([text_positions[None], mrope])[:, None]
+    return _with_images(samples, {"position_ids": positions},
+                        lambda: torch.cat([torch.arange(len(s.prompt_ids) + len(s.response_ids))
+                                           < len(s.prompt_ids) for s in samples])[None])
 
 
 def batch_inputs(samples: list, width: int) -> dict:
@@ -101,13 +97,18 @@ def batch_inputs(samples: list, width: int) -> dict:
         pos = sample_positions(s)
         pad = width - pos.shape[1]
         rows.append(torch.cat([pos, pos[:, -1:] + 1 + torch.arange(pad).expand(3, pad)], 1))
-    out = {"position_ids": torch.stack(rows, 1)}
+    return _with_images(samples, {"position_ids": torch.stack(rows, 1)},
+                        lambda: torch.arange(width)[None] < torch.tensor(
+                            [len(s.prompt_ids) for s in samples])[:, None])
+
+
+def _with_images(samples: list, out: dict, prompt_mask) -> dict:
+    """`out` with the samples' images where any has some: their patches and grids in order, and
+    prompt_mask() (which positions are prompts': patch's hook reads it)."""
     seen = images(samples)
     if seen:
-        out["pixel_values"] = torch.cat([v.pixel_values for v in seen])
-        out["image_grid_thw"] = torch.cat([v.grid_thw for v in seen])
-        out["prompt_mask"] = torch.arange(width)[None] < torch.tensor(
-            [len(s.prompt_ids) for s in samples])[:, None]
+        out.update(pixel_values=torch.cat([v.pixel_values for v in seen]),
+                   image_grid_thw=torch.cat([v.grid_thw for v in seen]), prompt_mask=prompt_mask())
     return out
 
 
