@@ -89,7 +89,20 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
     pairs = [(f"{sec}.{key}", val) for sec, body in raw.items()
              for key, val in (body.items() if isinstance(body, dict) else [(None, body)])]
     pairs = [p for dotted, val in pairs for p in _flatten(tree, dotted, val)]
-    args = list(overrides)
+    return _set(tree(), pairs + _override_pairs(overrides))
+
+
+def override(cfg, overrides: list[str]):
+    """A copy of the config tree `cfg` with `--section.key=value` overrides applied, checked as
+    `load` checks them (a variant of a run's config: variants.py)."""
+    import copy
+
+    return _set(copy.deepcopy(cfg), _override_pairs(overrides))
+
+
+def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
+    """("section.key", value) of each `--section.key=value` (or `--section.key value`)."""
+    pairs, args = [], list(overrides)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--") or "." not in arg:
@@ -100,9 +113,13 @@ def load(tree: type, path: str | None = None, overrides: list[str] = ()):
                 raise BadInput(f"override {arg} has no value")
             val = args.pop(0)
         pairs.append((key, val))
+    return pairs
 
-    cfg = tree()
-    sections = {f.name: f for f in dataclasses.fields(tree)}
+
+def _set(cfg, pairs: list):
+    """`cfg` (a config tree) with each (dotted key, value) of `pairs` coerced and set in order.
+    Unknown keys and bad types raise."""
+    sections = {f.name: f for f in dataclasses.fields(type(cfg))}
     for dotted, val in pairs:
         sec, _, key = dotted.partition(".")
         if sec not in sections:
