@@ -918,7 +918,7 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
         with fsdp_utils.reference(ref):
             ref_logp = logprobs.sample_logprobs(ref, samples, cfg, split=batch.split)
     logprobs_time = time.perf_counter() - t
-    loss_tokens, norms = 0, []
+    loss_tokens, norms, losses = 0, [], []
     clipped, entropy = torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
     shuffle = torch.Generator().manual_seed(batch.seed)
     router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
@@ -935,12 +935,18 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
             if epoch == 0:  # entropy of the policy as it meets this rollout
                 entropy += stats["entropy"]
             norms.append(fsdp_utils.clip_grad_norm(actor, cfg.grad_clip))
+            losses.append(stats["loss"])
             opt.step()
             opt.zero_grad(set_to_none=True)
-    clipped, entropy, *norms = torch.stack([clipped, entropy, *norms]).tolist()  # one read
+    read = torch.stack([clipped, entropy, *norms, *losses]).tolist()  # one read
+    (clipped, entropy), norms, losses = read[:2], read[2:2 + len(norms)], read[2 + len(norms):]
     sums = {"clipped": clipped, "entropy": entropy, "loss_tokens": loss_tokens}
+    # the loss each optimizer step minimised, averaged: a global mean of which each rank holds
+    #   the part of its tokens (under sequence parallelism too), summed over ranks
+    loss = sum(losses) / len(losses)
     out = {**update_metrics(batch, old_logp, ref_logp, g, sums, router),
-           "grad_norm": sum(norms) / len(norms), "logprobs_time_s": logprobs_time}
+           "grad_norm": sum(norms) / len(norms), "loss": tracking.Sum(loss),
+           "logprobs_time_s": logprobs_time}
     if forks:  # the share of the model's tokens that kept their gradient, and the bar
         out.update(forking_frac=tracking.Mean(sum(float(k.sum()) for k in keep) / batch.sp,
                                               sum(s.model_tokens for s in samples) / batch.sp),
