@@ -189,16 +189,27 @@ def merged(sd: dict, scaling: float) -> tuple[dict, dict]:
     return out, {layer: (ab["A"], ab["B"]) for layer, ab in layers.items()}
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's random generators: Python's, numpy's (where it is loaded), torch's and the
+    device's."""
+    import sys
+
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
     if npu_ops.device_type() != "cpu":
         state["device"] = npu_ops.device_module().get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """The generators as `rng_state` returned them."""
+    import sys
+
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
     if "device" in state and npu_ops.device_type() != "cpu":
         npu_ops.device_module().set_rng_state(state["device"])
 
@@ -217,7 +228,7 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer, scheduler, keep: 
     state = {"model": trained_state(model),
              "optim": get_optimizer_state_dict(model, optimizer, options=TRAINED)}
     dcp.save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if own is not None:
         torch.save(own, os.path.join(tmp, f"rank_state{rank}.pt"))
     dist.barrier()  # every rank's files are in tmp
@@ -260,7 +271,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     set_optimizer_state_dict(model, optimizer, state["optim"], options=TRAINED)
     rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.exists(rng):  # absent when resuming on more ranks than saved
-        _set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=False))
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)
     scheduler.load_state_dict(saved["scheduler"])
