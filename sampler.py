@@ -22,6 +22,7 @@ A step collected again (its last try raised: a reward, Ctrl-C) draws the same pr
 position moves on only when a later step begins (or partial rollout's state, likewise).
 """
 
+import copy
 import time
 
 import torch
@@ -126,6 +127,30 @@ class Sampler:
         rollout, this rank's carried groups."""
         return {"drawn": self.drawn,
                 "carry": self.partial.state_dict() if self.partial is not None else None}
+
+    def snapshot(self) -> dict:
+        """Everything `rewind` needs to put the sampler back where it is now, copied: the data
+        positions and partial rollout's carried groups, as of the last step collected (a step
+        collected again draws the same). Agents in flight under partial rollout live in their
+        worker processes and cannot be copied: a one-line error."""
+        if self.partial is not None and not self.partial.source.keeps:
+            raise RuntimeError("snapshot: partial rollout with env.kind agent keeps agents in "
+                               "flight in their worker processes, which a snapshot cannot copy. "
+                               "Fix: rollout.partial.enabled=false for runs you snapshot")
+        state = {"step": self.step, "start": self.start, "drawn": self.drawn, "partial": None}
+        if self.partial is not None:
+            p = self.partial
+            state["partial"] = {"step": p.step, "saved": p.saved, "state": p.state_dict()}
+        return copy.deepcopy(state)
+
+    def rewind(self, state: dict) -> None:
+        """Back to a `snapshot` (which stays as it was: it may be rewound to again)."""
+        state = copy.deepcopy(state)
+        self.step, self.start, self.drawn = state["step"], state["start"], state["drawn"]
+        if self.partial is not None:
+            p, saved = self.partial, state["partial"]
+            p.step, p.saved = saved["step"], saved["saved"]
+            p.load_state_dict(saved["state"])
 
     def resume(self, state: dict, step: int) -> None:
         """The state of a checkpoint of `step` (checkpoint.load_checkpoint's: "drawn", and this

@@ -108,6 +108,16 @@ class Tracker:
         if self.wandb:
             self.wandb.log(metrics, step=metrics["step"])
 
+    def rewind(self, step: int) -> None:
+        """The jsonl files back to their rows of steps <= `step` (a restored snapshot:
+        train_grpo.Run.restore). wandb's rows stay: it takes no step twice."""
+        if not self.active:
+            return
+        self.metrics_file.close()
+        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+            keep_rows_upto(os.path.join(self.log_cfg.out_dir, name), step)
+        self.metrics_file = open(os.path.join(self.log_cfg.out_dir, "metrics.jsonl"), "a")
+
     def log_samples(self, name: str, step: int, examples: list, texts: list, scores: list) -> None:
         """(prompt, completion, reward, answer) rows into `name` (samples.jsonl, ...)."""
         if not self.active:

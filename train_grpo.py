@@ -55,6 +55,7 @@ import rewards
 import rollout
 import sampler
 import seq_parallel
+import snapshot
 import tiny_task
 import tracking
 import weight_sync
@@ -165,6 +166,37 @@ class Run:
             _OPEN = None
         if errors:
             raise errors[0]
+
+    def snapshot(self, path: str | None = None) -> "snapshot.Snapshot":
+        """This run's state now, to `restore` later: the actor's trained shards, the optimizer
+        and its schedule, the step, the config, the data position, partial rollout's carried
+        groups and every random generator, per rank, in host memory (or with `path` one file a
+        rank in that directory). `.bytes` is what it holds on this rank; where a host's ranks
+        would not fit in its memory (or disk), every rank refuses with one line. Every rank
+        must call (snapshot.py)."""
+        return snapshot.take(self, path)
+
+    def restore(self, snap: "snapshot.Snapshot") -> None:
+        """Put the run back where `snap` was taken, bit for bit: the steps after it run again as
+        they ran then (with rollout.seed_per_step, the same samples); the engine gets the
+        restored weights at the next push. The run's jsonl files lose the rows of later steps
+        (as a resume does), and the config's update-side parts are rebuilt from the config
+        the snapshot holds. A snapshot can be restored any number of times. Every rank must
+        call."""
+        snapshot.restore(self, snap)
+        self.cfg = copy.deepcopy(snap.cfg)
+        update_parts(self)
+        if self.tracker is not None:
+            self.tracker.rewind(snap.step)
+        if self.bar is not None:
+            self.bar.n = snap.step
+            self.bar.refresh()
+        later = [c for c in checkpoint.complete_checkpoints(self.cfg.log.out_dir)
+                 if int(os.path.basename(c).split("_")[1]) > snap.step]
+        if later:
+            log.warning("restored to step %d; the checkpoints of later steps remain (%s): a "
+                        "resume would continue from the newest of them", snap.step,
+                        ", ".join(os.path.basename(c) for c in later))
 
     def __enter__(self):
         return self
@@ -322,13 +354,23 @@ def build_trainer(run: Run) -> None:
         run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
     run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
     run.split = seq_parallel.split(cfg.model.sp_size)  # (made by build_actor: the same group)
+    update_parts(run)
+    run.trainable = fsdp_utils.trainable(run.actor)
+    run.flops = fsdp_utils.flops_per_token(run.actor)
+
+
+def update_parts(run: Run) -> None:
+    """What the update takes of run.cfg, made again from it (a restored snapshot's config, a
+    variant's: variants.py): the update's settings (grpo.Settings), the batch's transforms, and
+    the config the sampler scores with."""
+    cfg = run.cfg
     run.settings = grpo.Settings(cfg.grpo, run.tokenizer.pad_token_id or 0,
                                  npu_ops.local_device(), cfg.rollout.temperature,
                                  cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
                                  top_p=cfg.rollout.top_p)
     run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
-    run.trainable = fsdp_utils.trainable(run.actor)
-    run.flops = fsdp_utils.flops_per_token(run.actor)
+    if run.sampler is not None:
+        run.sampler.cfg = cfg
 
 
 def batch_transforms(run: Run) -> list:
@@ -388,16 +430,20 @@ class Last:
     batch: grpo.Batch
 
 
-def train_step(run: Run) -> dict:
+def train_step(run: Run, rollout=None) -> dict:
     """One GRPO step on every rank: collect, score, build the batch, update, log. Returns the
-    step's metrics (those of metrics.jsonl); run.last holds what it trained on (`Last`)."""
+    step's metrics (those of metrics.jsonl); run.last holds what it trained on (`Last`).
+    `rollout` (a records.Rollout: an earlier step's run.last.rollout): train on it instead of
+    collecting (a replay: no engine turn, no data drawn; the metrics say `replay`)."""
     step, started = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     run.profiler.before(step)
     # 1) collect, in the engine's turn: the actor's weights pushed into the engine, G samples
     #    per prompt and their rewards; leaving the turn, whatever raised, the engine sleeps
-    with run.turn:
-        ro = run.sampler.collect(step)
+    ro = rollout
+    if ro is None:
+        with run.turn:
+            ro = run.sampler.collect(step)
     # 2) score: advantages within each group, and the samples the update takes
     scored = grpo.score(ro, run.cfg.grpo, run.group, run.sampler.limit,
                         run.sampler.drop_failed, run.sampler.scorer.weights)
@@ -410,7 +456,7 @@ def train_step(run: Run) -> dict:
     run.sched.step()
     run.step, run.last = step, Last(ro, scored, batch)
     # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
-    metrics = step_metrics(run, update, (started, trained))
+    metrics = step_metrics(run, update, (started, trained), replay=rollout is not None)
     if evaluation.due(run.cfg.log, step, run.cfg.train.steps):
         metrics.update(evaluate(run))
     log_step(run, metrics)
@@ -418,16 +464,18 @@ def train_step(run: Run) -> dict:
     return metrics
 
 
-def step_metrics(run: Run, update: dict, started: tuple) -> dict:
+def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -> dict:
     """The step's metrics (run.last's), reduced over all ranks (tracking.reduce): the rollout's,
     the scores', the batch's transforms', the update's, the step's times (`started`: when the
     step and when its batch began), partial rollout's over this rank's trained samples, the
-    engine's turn's, memory."""
+    engine's turn's (none in a `replay`: no turn, no generation), memory."""
     step, last, now = run.step, run.last, time.perf_counter()
     ro, scored, batch = last.rollout, last.scored, last.batch
     # the passes before the update's own: the old policy's and the reference's, the teacher's
     logprobs_s = update.pop("logprobs_time_s") + batch.metrics.get("teacher_time_s", 0.0)
-    times = {"gen_time_s": ro.seconds["gen"], "reward_time_s": ro.seconds["reward"],
+    seconds = {"gen": 0.0, "reward": 0.0} if replay else ro.seconds
+    turn = {"sync_time_s": 0.0, "replay": 1} if replay else run.turn.metrics()
+    times = {"gen_time_s": seconds["gen"], "reward_time_s": seconds["reward"],
              "logprobs_time_s": logprobs_s, "train_time_s": now - started[1] - logprobs_s,
              "step_time_s": now - started[0]}
     metrics = tracking.reduce({
@@ -438,7 +486,7 @@ def step_metrics(run: Run, update: dict, started: tuple) -> dict:
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
-        **run.engine.memory.metrics(), **run.turn.metrics()})
+        **run.engine.memory.metrics(), **turn})
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step_time_s"]
     # the update's model FLOP utilisation: matrix FLOPs over its seconds, per device
     flops = (run.flops[0] * metrics.pop("trained_tokens")
