@@ -434,10 +434,29 @@ def check_pytest(args: list[str]) -> str:
     return "pytest"
 
 
+def check_variants(args: list[str], nproc: int, tiny_task_dir: str) -> str:
+    """variants.py ARGS: --help runs; the run's --config and overrides check out as
+    check_training's do, and each --variant's overrides load on that config."""
+    import config
+    import train_grpo
+    import variants
+
+    rc, out = run_help("variants.py", "--help")
+    assert rc == 0, out[-2000:]
+    known, overrides = variants.parser().parse_known_args(args)
+    check_training(["--config", known.config, *overrides], nproc, tiny_task_dir)
+    cfg = train_grpo.load_config(os.path.join(ROOT, known.config), overrides)
+    for text in known.variant:
+        config.override(cfg, variants.parse_variant(text)[1])
+    return "variants.py"
+
+
 def check_script(script: str, args: list[str], nproc: int, tiny_task_dir: str) -> str:
     """`python SCRIPT ARGS` or `torchrun ... SCRIPT ARGS`, by script."""
     if script == "train_grpo.py":
         return check_training(args, nproc, tiny_task_dir)
+    if script == "variants.py":
+        return check_variants(args, nproc, tiny_task_dir)
     if script.startswith("bench/"):
         return check_bench(script, args)
     if script.startswith("scripts/") and script.endswith(".py"):
