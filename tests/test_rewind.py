@@ -40,3 +40,32 @@ def test_variants_replay_one_rollout_as_predicted(tiny_task_dir, tmp_path):
                        tiny_task_dir, str(tmp_path / "run")])
     assert proc.returncode == 0 and "REWIND_OK" in proc.stdout, proc.stderr[-4000:]
     print(proc.stdout[-3000:])
+
+
+@pytest.mark.main_only  # the command line's plumbing over compare (tested above)
+def test_the_command_line_compares_and_refuses_in_one_line(tiny_task_dir, tmp_path):
+    """variants.py: a run's step, then two variants for two steps on the same rollouts, their
+    table and metrics; the run's own files hold its step alone. A variant that would change the
+    sampling is refused with one line naming the field, before any model loads."""
+    import json
+
+    common = ["variants.py", "--config", "configs/tiny_cpu.yaml",
+              f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}/run",
+              "--grpo.prompts_per_step=16", "--log.eval_every=0"]
+    proc = run_python([*common, "--before", "1", "--steps", "2", "--evaluate", "--variant", "ppo",
+                       "--variant", "dr: --grpo.loss_agg=constant --grpo.scale_adv_by_std=false"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| variant | step | loss |") and len(table) == 2 + 4
+    out = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
+    ppo, dr = out["metrics"]["ppo"], out["metrics"]["dr"]
+    assert [m["step"] for m in ppo] == [m["step"] for m in dr] == [2, 3]
+    assert [m["reward_mean"] for m in ppo] == [m["reward_mean"] for m in dr]  # same rollouts
+    assert ppo[0]["loss"] != dr[0]["loss"] and set(out["evals"]) == {"ppo", "dr"}
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
+
+    refused = run_python([*common, "--variant", "hot: --rollout.temperature=0.5"])
+    assert refused.returncode == 2 and "actor:" not in refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: variant 'hot': rollout.temperature") and "Fix:" in line
