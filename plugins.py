@@ -168,13 +168,19 @@ def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int,
         return conn.send(one_line(e))
     conn.send("ready")
     shown = set()
+    # one event loop for the process's life, not one a job: what a job's calls leave behind
+    #   finds its loop open later (an HTTP client they made and dropped is closed when the
+    #   garbage collector gets to it, on the loop running then: openai 3.57's
+    #   AsyncHttpxClientWrapper.__del__; on a closed one each raised "Event loop is closed")
+    loop = asyncio.new_event_loop()
     try:
         while (job := conn.recv()) is not None:
             if job[0] == "async":
                 _, calls, timeout_s = job
-                asyncio.run(_gather(fns, specs, calls, check, shown, what, concurrency,
-                                    timeout_s, lambda k: conn.send(("start", k)),
-                                    lambda k, v: conn.send((k, v))))
+                loop.run_until_complete(_gather(fns, specs, calls, check, shown, what,
+                                                concurrency, timeout_s,
+                                                lambda k: conn.send(("start", k)),
+                                                lambda k, v: conn.send((k, v))))
             else:
                 for k, j, args in job:
                     conn.send((k, call(fns[j], specs[j], args, check, shown, what)))
@@ -209,11 +215,14 @@ class _Proc:
 
 class InProcess:
     """Worker's calls in this process (timeout_s 0: no limit), where a breakpoint() in them
-    stops: plain functions' one after another, then `async def` ones' on an event loop."""
+    stops: plain functions' one after another, then `async def` ones' on an event loop kept
+    from job to job (as a worker process keeps one: _worker says why)."""
 
     def __init__(self, specs, fns, is_async, check, what: str, concurrency: int):
         self.specs, self.fns, self.is_async, self.check = specs, fns, is_async, check
         self.what, self.concurrency, self._shown = what, concurrency, set()  # (failures shown)
+        self.loop = None  # this thread's, made at the first async job
+        self.helper = None  # (a loop running in a helper thread, that thread), in a notebook
 
     def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
         out = [None] * len(calls)
@@ -228,39 +237,49 @@ class InProcess:
         return out
 
     def _gather(self, calls: list[tuple[int, int, tuple]], ended=None) -> dict:
-        """The async calls, run to completion in this process: on an event loop in this thread,
-        or, when this thread already runs one (a notebook's), on one in a helper thread. Ctrl-C
-        cancels them either way, so that none runs on past the job it belonged to."""
+        """The async calls, run to completion in this process: on this thread's loop, or, when
+        this thread already runs one (a notebook's), on a loop running in a helper thread.
+        Ctrl-C cancels them either way, so that none runs on past the job it belonged to."""
         job = _gather(self.fns, self.specs, calls, self.check, self._shown, self.what,
                       self.concurrency, None, ended=ended)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(job)  # (it cancels the calls on Ctrl-C)
-        loop, done = asyncio.new_event_loop(), threading.Event()
-        task = loop.create_task(job)
-
-        def drive():  # (asyncio.wait: it raises none of the task's errors)
+            self.loop = self.loop or asyncio.new_event_loop()
+            task = self.loop.create_task(job)
             try:
-                loop.run_until_complete(asyncio.wait([task]))
-            finally:
-                loop.close()
-                done.set()
-
-        threading.Thread(target=drive, daemon=True).start()
+                return self.loop.run_until_complete(task)
+            except BaseException:  # Ctrl-C: the task would run on at the next job
+                task.cancel()
+                self.loop.run_until_complete(asyncio.wait([task]))
+                raise
+        if self.helper is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, daemon=True)
+            thread.start()
+            self.helper = loop, thread
+        future, done = asyncio.run_coroutine_threadsafe(job, self.helper[0]), threading.Event()
+        future.add_done_callback(lambda _: done.set())
         try:
             done.wait()  # (an interrupted Thread.join would not wait again)
-        except BaseException:  # Ctrl-C: the helper thread would run the calls on, unseen
-            try:
-                loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:  # (its loop ended meanwhile)
-                pass
+        except BaseException:  # Ctrl-C: the helper's loop would run the calls on, unseen
+            future.cancel()  # (thread-safe: the task is cancelled on its loop)
             done.wait()  # (a call that blocks its loop holds it: a second Ctrl-C leaves it)
             raise
-        return task.result()
+        return future.result()
 
     def close(self) -> None:
-        pass  # nothing runs between run()s
+        """The loops end (a second close() does nothing)."""
+        if self.helper is not None:
+            loop, thread = self.helper
+            self.helper = None
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            if not loop.is_running():
+                loop.close()
+        if self.loop is not None and not self.loop.is_running():
+            self.loop.close()
+            self.loop = None
 
 
 class Processes:

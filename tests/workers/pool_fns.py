@@ -34,3 +34,18 @@ async def anap(x, example):
         raise RuntimeError("boom")
     await asyncio.sleep(example.get("s", 0.0))
     return f"{x}@{os.getpid()}"
+
+
+async def leaky(x, example):
+    """An OpenAI client made per call and dropped unclosed, as agents written after the `openai`
+    package's examples leave theirs; first the ones earlier calls dropped are collected, so that
+    their cleanup (openai's AsyncHttpxClientWrapper.__del__: aclose() on the running loop) runs
+    on this call's loop."""
+    import gc
+
+    from openai import AsyncOpenAI
+
+    gc.collect()
+    client = AsyncOpenAI(base_url=example["url"], api_key="unused", max_retries=0)
+    await client.models.list()
+    return f"{x}@{os.getpid()}"
