@@ -460,30 +460,56 @@ class Processes:
 class Worker:
     """Functions of one kind (`what`: "reward", "environment"), each call cut at timeout_s, in
     worker processes (Processes; `workers` 0: default_workers()), or with timeout_s 0 in this
-    process (InProcess). `resolver(spec)` finds each function (in the workers too: module-level);
+    process (InProcess). `local`: specs called in this process all the same (functions known to
+    return in microseconds and never hang, for which a round trip to a worker costs more than
+    the call). `resolver(spec)` finds each function (in the workers too: module-level);
     `check(value)` returns what a call's value stands for, or raises for one the kind refuses.
     `run` returns each call's outcome, in order: that, Failed, or TimeoutError (cut at the
     limit). Use as a context manager, or call close()."""
 
     def __init__(self, specs: list[str], resolver, check, timeout_s: float, what: str,
-                 workers: int = 1, concurrency: int = 64):
+                 workers: int = 1, concurrency: int = 64, local=()):
         specs, self.workers = list(specs), workers or default_workers()
         fns = [resolver(s) for s in specs]  # (the config's check resolved them already)
         is_async = [inspect.iscoroutinefunction(fn) for fn in fns]
-        if timeout_s == 0:
-            self.runner = InProcess(specs, fns, is_async, check, what, concurrency)
+        self.local = set() if timeout_s == 0 else {j for j, s in enumerate(specs) if s in local}
+        self.here = InProcess(specs, fns, is_async, check, what, concurrency)
+        if timeout_s == 0 or len(self.local) == len(specs):
+            self.runner = self.here
             self.fns, self._plain, self._async = fns, [], []  # (what tests read)
         else:
             self.runner = Processes(specs, is_async, resolver, check, timeout_s, what,
                                     self.workers, concurrency)
             self.fns, self._plain, self._async = None, self.runner._plain, self.runner._async
+        self.specs = specs
 
     def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
         """ended(k, outcome), if given: called (in this thread) as call k's outcome comes."""
-        return self.runner.run(calls, ended)
+        if not self.local or self.runner is self.here:
+            return self.runner.run(calls, ended)
+        out = [None] * len(calls)
+        here = [k for k, (j, _) in enumerate(calls) if j in self.local]
+        away = [k for k, (j, _) in enumerate(calls) if j not in self.local]
+        for part, runner in ((here, self.here), (away, self.runner)):
+            if part:
+                told = None if ended is None else (lambda i, v, part=part: ended(part[i], v))
+                for k, v in zip(part, runner.run([calls[k] for k in part], told)):
+                    out[k] = v
+        return out
+
+    def where(self) -> str:
+        """Where its calls run, for the start-up log."""
+        if self.runner is self.here:
+            return "in this process"
+        mine = [self.specs[j] for j in sorted(self.local)]
+        return (f"up to {self.workers} at once, in worker processes"
+                + (f" ({', '.join(mine)} in this process)" if mine else ""))
 
     def close(self) -> None:
-        self.runner.close()
+        try:
+            self.runner.close()
+        finally:
+            self.here.close()
 
     def __enter__(self):
         return self

@@ -125,8 +125,13 @@ def tiny_colour(completion: str, example: dict) -> float:
     return 1.0 if text == answer else 0.5 if text.startswith(answer) else 0.0
 
 
-REWARDS = {"tiny_sum": tiny_sum, "tiny_colour": tiny_colour, "gsm8k": gsm8k, "math": math, "format": answer_format,
-           "agent": agent}
+REWARDS = {"tiny_sum": tiny_sum, "tiny_colour": tiny_colour, "gsm8k": gsm8k, "math": math,
+           "format": answer_format, "agent": agent}
+# built-ins that compare strings or read a field: microseconds, no way to hang. They run in the
+#   trainer's process whatever reward.timeout_s (the tiny task on 2 ranks: 0.025 s a step
+#   through a worker, 0.001 s here, docs/benchmarks.md); `math` (math-verify parses what the
+#   model wrote) keeps its worker and time limit
+PURE = ("tiny_sum", "tiny_colour", "gsm8k", "format", "agent")
 
 
 @dataclass
@@ -139,7 +144,8 @@ class RewardConfig:
     # one per func (empty: 1.0 each); summed
     weights: Annotated[list[float], Items(Range())] = field(default_factory=list)
     # time limit of one reward call on one sample (a cut call scores 0); 0: call the functions
-    #   in this process, no time limit (breakpoint() works in a reward)
+    #   in this process, no time limit (breakpoint() works in a reward). The built-ins of
+    #   rewards.PURE run in this process either way
     timeout_s: Annotated[float, Range(0)] = 10.0
     # worker processes that call plain functions at once (a call each); ignored with timeout_s 0.
     #   0: 16 per CPU of this rank, 2 to 32 (plugins.default_workers; the start-up log says how
@@ -199,7 +205,7 @@ class Scorer:
         self.specs = list(cfg.funcs)
         self.weights = list(cfg.weights) or [1.0] * len(self.specs)
         self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward",
-                                     cfg.workers, cfg.concurrency)
+                                     cfg.workers, cfg.concurrency, local=PURE)
 
     def score(self, texts: list[str], examples: list[dict], failed: list[bool] = ()) -> dict:
         """{"reward": weighted sum per sample, "by_name": {spec: unweighted values per sample},

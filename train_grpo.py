@@ -313,8 +313,7 @@ def build(run: Run) -> None:
                                      processor, cfg.data.image_key))
     for what, worker in (("reward", scorer.worker), ("env", runner.worker)):
         if worker is not None:  # (workers 0: plugins.default_workers)
-            log.info("%s calls: %s", what, "in this process" if worker.fns is not None
-                     else f"up to {worker.workers} at once, in worker processes")
+            log.info("%s calls: %s", what, worker.where())
     run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.group.index,
                                 lora=cfg.model.lora,  # with adapters: LoRA on
                                 routing=cfg.model.routing_replay)

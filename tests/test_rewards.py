@@ -220,6 +220,30 @@ def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
     assert outs[1]["errors"] == 2 and outs[1]["timeouts"] == 0
 
 
+def test_pure_built_ins_run_here_beside_pooled_plugins(plugin, monkeypatch):
+    """With reward.timeout_s > 0, a built-in of rewards.PURE is called in this process (what it
+    records is seen here), a plugin in a worker process (what it records is not), and each
+    sample gets both outcomes in order. Every built-in of PURE exists."""
+    import my_reward_mod
+
+    assert set(rewards.PURE) <= set(rewards.REWARDS)
+    seen = []
+
+    def recording_sum(completion, example):
+        seen.append(completion)
+        return rewards.tiny_sum(completion, example)
+
+    monkeypatch.setitem(rewards.REWARDS, "tiny_sum", recording_sum)  # (a worker has its own)
+    texts, examples = ["7", "8", "3"], [{"answer": "7"}, {"answer": "7"}, {"answer": "3"}]
+    my_reward_mod.SEEN.clear()
+    cfg = rewards.RewardConfig(funcs=["tiny_sum", "my_reward_mod:recording"], timeout_s=30.0)
+    with rewards.Scorer(cfg) as scorer:
+        out = scorer.score(texts, examples)
+        assert len(scorer.worker._plain) == 1 and "tiny_sum in this process" in scorer.worker.where()
+    assert seen == texts and my_reward_mod.SEEN == []
+    assert out["by_name"] == {"tiny_sum": [1, 0, 1], "my_reward_mod:recording": [1, 0, 1]}
+
+
 def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
     texts = ["7", "8", "hang", "7", "9", "7"]
     examples = [{"answer": "7"}] * 6
