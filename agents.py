@@ -1,18 +1,19 @@
 """Agents written against the OpenAI API, trained on the tokens the engine wrote for them.
 
-With `env.kind: agent`, `env.name` names an `async def agent(base_url, example)` that returns
-its episode's reward (or (reward, info)) and talks to the model through any OpenAI-compatible
-client pointed at `base_url`. During the rollout each engine group's first rank serves
-`POST {base_url}/chat/completions` and `GET {base_url}/models` on 127.0.0.1
-(`openai_api.Endpoint`, a server per rollout, on a free port, gone when the rollout ends), each
-episode under a base URL of its own (a random key in the path) so that every call is its
-episode's. The agents run in the environment's worker (plugins.Worker: an event loop with
-env.concurrency agents at once, each cut at env.timeout_s) while this process's main thread steps
-the engine (`Serving`): each engine step takes every call that came in since the last, and the
-calls' requests are batched into the engine's own step loop (continuous batching: a call that
-arrives while others decode joins them at the next step). With rollout.tp_size > 1 the first
-rank of the engine group serves and hands each step's new requests to the group's other ranks,
-which add them and step with it (`AgentRunner.drive`).
+With `env.kind: agent`, `env.name` names an `async def agent(client, example)` that returns its
+episode's reward (or (reward, info)) and talks to the model through `client`, an
+openai.AsyncOpenAI at its episode's base URL (envs.with_client), or an `async def
+agent(base_url, example)` that points any OpenAI-compatible client at `base_url`. During the
+rollout each engine group's first rank serves `POST {base_url}/chat/completions` and `GET
+{base_url}/models` on 127.0.0.1 (`openai_api.Endpoint`, a server per rollout, on a free port,
+gone when the rollout ends), each episode under a base URL of its own (a random key in the path)
+so that every call is its episode's. The agents run in the environment's worker (plugins.Worker:
+an event loop with env.concurrency agents at once, each cut at env.timeout_s) while this
+process's main thread steps the engine (`Serving`): each engine step takes every call that came
+in since the last, and the calls' requests are batched into the engine's own step loop
+(continuous batching: a call that arrives while others decode joins them at the next step). With
+rollout.tp_size > 1 the first rank of the engine group serves and hands each step's new requests
+to the group's other ranks, which add them and step with it (`AgentRunner.drive`).
 
 Token-exact trajectories: the endpoint renders a call's messages to token ids once, with the
 tokenizer's chat template, and keeps them with the completion's ids and the engine's logprobs.

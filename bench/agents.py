@@ -3,12 +3,14 @@
     python bench/agents.py                     # 512 episodes of one call; about a minute
     python bench/agents.py --episodes 64       # a quick look
 
-The same work three ways, each response --tokens long (EOS ignored, as bench/step.py does):
-`floor`, the episodes' prompts in one engine.generate; `shared`, agents.AgentRunner with an agent
-that makes its one call through the `openai` client, one httpx client per event loop (as
-examples/calculator_agent.py does); `fresh`, the same agent opening an AsyncOpenAI per episode.
-Reported: each one's seconds and its ratio to the floor. The agents' worker starts before the
-timed runs (a warm-up rollout of a few episodes).
+The same work four ways, each response --tokens long (EOS ignored, as bench/step.py does):
+`floor`, the episodes' prompts in one engine.generate; then agents.AgentRunner with an agent
+that makes its one call through the `openai` client: `shared`, one httpx client per event loop
+passed to each episode's AsyncOpenAI (the pooled form); `fresh`, an AsyncOpenAI opened per
+episode; `ready`, the client handed to the agent (envs.with_client, as
+examples/calculator_agent.py's `solve` takes it). Reported: each one's seconds and its ratio
+to the floor. The agents' worker starts before the timed runs (a warm-up rollout of a few
+episodes).
 """
 
 import argparse
@@ -49,6 +51,11 @@ async def fresh(base_url: str, example: dict) -> float:
     return 1.0
 
 
+async def ready(client, example: dict) -> float:
+    await client.chat.completions.create(**_request(example))
+    return 1.0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--episodes", type=int, default=512)
@@ -84,7 +91,7 @@ def main():
     out["floor_s"] = round(time.perf_counter() - t, 3)
     assert {len(s.response_ids) for s in floor} == {args.tokens}
     me = os.path.abspath(__file__)
-    for mode in ("shared", "fresh"):
+    for mode in ("shared", "fresh", "ready"):
         cfg = episodes.EnvConfig(kind="agent", name=f"{me}:{mode}", max_turns=1,
                                  max_tokens=args.tokens, timeout_s=120.0,
                                  concurrency=args.concurrency)

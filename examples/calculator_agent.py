@@ -6,13 +6,16 @@ model's final answer is right (configs/agent_cpu.yaml).
       kind: agent
       name: examples/calculator_agent.py:solve
       tool_parser: examples/calculator_agent.py:parse_tool_calls
+
+Two forms of the same agent. `solve(client, example)` is handed a ready `openai.AsyncOpenAI`
+at its episode's URL (envs.with_client). `solve_from_url(base_url, example)` makes its own
+client, as the `openai` package's docs show; that works as well, but a new AsyncOpenAI builds
+an SSL context first (about 35 ms), which `solve`'s shared client does not.
 """
 
-import asyncio
 import json
 import re
 
-import httpx
 from openai import AsyncOpenAI
 
 CALCULATOR = {"type": "function", "function": {
@@ -27,22 +30,10 @@ def calculate(expression: str) -> str:
     return str(sum(int(x) for x in expression.split("+")))
 
 
-_HTTP = {}  # one connection pool per event loop: a new one costs ~35 ms (its TLS context)
-
-
-def client(base_url: str) -> AsyncOpenAI:
-    loop = asyncio.get_running_loop()
-    if loop not in _HTTP:  # (the trainer runs a rollout's agents in an event loop of its own)
-        _HTTP.clear()
-        _HTTP[loop] = httpx.AsyncClient(timeout=120)
-    return AsyncOpenAI(base_url=base_url, api_key="unused", http_client=_HTTP[loop])
-
-
-async def solve(base_url: str, example: dict) -> float:
-    openai = client(base_url)
+async def solve(client: AsyncOpenAI, example: dict) -> float:
     messages = [{"role": "user", "content": example["prompt"]}]
     for _ in range(3):
-        reply = await openai.chat.completions.create(
+        reply = await client.chat.completions.create(
             model="policy", messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -53,6 +44,11 @@ async def solve(base_url: str, example: dict) -> float:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": calculate(expression)})
     return float((message.content or "").strip() == example["answer"])
+
+
+async def solve_from_url(base_url: str, example: dict) -> float:
+    client = AsyncOpenAI(base_url=base_url, api_key="unused")
+    return await solve(client, example)
 
 
 def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str, list[dict]]:

@@ -89,11 +89,24 @@ def test_seq_parallel_bench_halves_the_activations():
 @pytest.mark.engine
 @pytest.mark.main_only  # the bench script's own plumbing
 def test_agents_bench_times_the_endpoint_against_the_engine(tmp_path):
-    """bench/agents.py, small: both agents' runs write as many tokens as the engine's floor
-    does, and the ratios are each run's seconds over the floor's."""
+    """bench/agents.py, small: every agent form's run writes as many tokens as the engine's
+    floor does, and the ratios are each run's seconds over the floor's."""
     out = launch(["bench/agents.py", "--episodes", "16", "--tokens", "4",
                   "--task-dir", str(tmp_path / "task")], nproc=1)
     line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
     assert line["episodes"] == 16 and line["tokens"] == 4 and line["floor_s"] > 0
-    for mode in ("shared", "fresh"):
+    for mode in ("shared", "fresh", "ready"):
         assert line[f"{mode}_vs_floor"] == round(line[f"{mode}_s"] / line["floor_s"], 2)
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
+def test_agent_forms_bench_trains_both_forms_without_a_traceback(tmp_path):
+    """bench/agent_forms.py, small: both forms of the example agent train, their outputs hold
+    no traceback, and the ratio is the two medians'."""
+    out = launch(["bench/agent_forms.py", "--steps", "3", "--nproc", "1", "--out",
+                  str(tmp_path)], nproc=1, timeout=900)
+    line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    ready, url = line["solve"], line["solve_from_url"]
+    assert ready["tracebacks"] == url["tracebacks"] == url["event_loop_closed"] == 0
+    assert line["from_url_over_ready"] == round(url["gen_time_s"] / ready["gen_time_s"], 3)

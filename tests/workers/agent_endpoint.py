@@ -31,13 +31,13 @@ engine = rollout.Engine(cfg, model_dir, tp_group_index=group.index)
 example = {"prompt": "1+2=", "answer": "3", "prompt_ids": [0]}
 
 
-def run(agent: str):
+def run(agent: str, n: int = 1):
     env = episodes.EnvConfig(kind="agent", name=f"tests/workers/agent_fns.py:{agent}",
                              tool_parser="examples/calculator_agent.py:parse_tool_calls",
                              max_turns=4, max_tokens=48, timeout_s=120)
     runner = agents.AgentRunner(env, tok, 8, 64, "tiny", group)
     try:
-        return runner.run(engine, [example], 1, greedy=True)
+        return runner.run(engine, [example], n, greedy=True)
     finally:
         runner.close()
 
@@ -143,5 +143,12 @@ assert tok.decode(s.response_ids[:6], **special) == "<tool_call>1+2</tool_call><
 assert tok.decode(s.prompt_ids + s.response_ids, **special) == tok.apply_chat_template(
     [openai_api.for_template(m) for m in info["messages"]], tokenize=False)
 print(f"rank {rank}: a call cut after 3 steps went on under the next version: {s.versions}")
+# the ready-client form (envs.with_client): each episode's client an AsyncOpenAI at its own
+# URL, all of them over the one HTTP client of their event loop
+gen = run("ready", n=3)
+infos = [ex["agent_info"] for ex in gen.examples]
+assert not any(gen.failed) and all(i["kind"] == "AsyncOpenAI" and i["content"] for i in infos)
+assert len({i["base_url"] for i in infos}) == 3 and len({i["http"] for i in infos}) == 1, infos
+print(f"rank {rank}: three episodes' ready clients, one HTTP client under them")
 engine.shutdown()
 print("AGENT_ENDPOINT_OK")

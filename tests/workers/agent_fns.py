@@ -63,3 +63,12 @@ async def stops(base_url: str, example: dict):
     choice = reply.choices[0]
     return 1.0, {"content": choice.message.content, "finish": choice.finish_reason,
                  "token_ids": choice.token_ids, "overridden": getattr(reply, "overridden", None)}
+
+
+async def ready(client, example: dict):
+    """The ready-client form: one call through the client the trainer hands over; what that
+    client is, for the worker to check (the episode's URL, the HTTP client under it)."""
+    reply = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": example["prompt"]}], max_tokens=4)
+    return 1.0, {"kind": type(client).__name__, "base_url": str(client.base_url),
+                 "http": id(client._client), "content": reply.choices[0].message.content}
