@@ -187,6 +187,7 @@ class AgentRunner:
         self.worker = self.new_worker() if group is None or group.first else None
         self.idle = [self.worker] if self.worker is not None else []  # workers with no job
         self.checked = False  # a sample against the template's rendering, once a run (check)
+        self.shown = set()  # the kinds of refused calls logged so far (Serving.refuse)
 
     def new_worker(self) -> plugins.Worker:
         """A worker for one job of agents (plugins.Worker: an event loop in a process of its own,
@@ -258,7 +259,7 @@ class AgentRunner:
                      for c in calls]
         except Exception as e:  # noqa: BLE001
             raise openai_api.BadCall(500, f"env.tool_parser {self.cfg.tool_parser!r} failed: "
-                                          f"{plugins.one_line(e)}") from None
+                                          f"{plugins.one_line(e)}", "tool_parser") from None
         return content, calls
 
     def close(self) -> None:
@@ -284,6 +285,7 @@ class Serving:
         self.by_key, self.calls, self.outcomes = {}, queue.Queue(), queue.Queue()
         self.pending, self.carried, self.made, self.made_tokens = {}, [], 0, 0
         self.jobs, self.errors, self.t, self.seconds = [], [], time.perf_counter(), 0.0
+        self.refused = {}  # calls refused since `generated` last took them, by kind
         self.endpoint = openai_api.Endpoint(self.calls, runner.model)
 
     def start(self, eps: list[Episode]) -> None:
@@ -335,12 +337,16 @@ class Serving:
             if e is None or e.dropped:
                 raise openai_api.BadCall(404, f"no episode {call.key!r} in this rollout (or it "
                                               "was dropped as too stale): use the base_url the "
-                                              "agent was given")
+                                              "agent was given", "no_episode")
+            if e.done:
+                raise openai_api.BadCall(410, "the episode's agent already returned: a call "
+                                              "after that is no part of its sample",
+                                         "after_return")
             req = openai_api.parse_request(call.body)
             if e.calls >= r.cfg.max_turns:
                 e.limited = True
                 raise openai_api.BadCall(400, f"the episode made its env.max_turns="
-                                              f"{r.cfg.max_turns} calls")
+                                              f"{r.cfg.max_turns} calls", "limit")
             base, between, prompt = e.prompt(req, r)
             used = 0 if base is None else len(base.ids) + len(between)
             room = min(r.max_new_tokens, r.cfg.max_tokens - used, r.max_model_len - len(prompt))
@@ -348,15 +354,25 @@ class Serving:
                 e.limited = True
                 raise openai_api.BadCall(400, f"the episode's sample is at its env.max_tokens="
                                               f"{r.cfg.max_tokens} (or rollout.max_model_len) "
-                                              "limit")
+                                              "limit", "limit")
         except openai_api.BadCall as b:
-            call.answer(b.status, openai_api.error_body(str(b), b.status))
+            self.refuse(call, b)
             return []
         e.calls += 1
         limit = min(room, req.max_tokens or room)
         w = Work(e, base, between, prompt, req, limit, self.overridden(req, limit),
                  [([], [], []) for _ in range(req.n)], [None] * req.n, call)
         return [self.add(w, j) for j in range(req.n)]
+
+    def refuse(self, call: openai_api.Call, b: openai_api.BadCall) -> None:
+        """Answer a refused call with its error, counted by kind (records.REFUSALS); the first
+        of each kind in a run is logged, with its message."""
+        self.refused[b.kind] = self.refused.get(b.kind, 0) + 1
+        if b.kind not in self.runner.shown:
+            self.runner.shown.add(b.kind)
+            log.warning("an agent's call was refused (%s, HTTP %d): %s. Counted in "
+                        "agent_refused/%s; each kind shown once", b.kind, b.status, b, b.kind)
+        call.answer(b.status, openai_api.error_body(str(b), b.status))
 
     def add(self, w: Work, j: int) -> tuple:
         """Choice j of a call as an engine request: after what it wrote so far, for the room
@@ -393,7 +409,7 @@ class Serving:
             try:
                 messages = w.episode.record(w, self.runner)
             except openai_api.BadCall as b:
-                w.call.answer(b.status, openai_api.error_body(str(b), b.status))
+                self.refuse(w.call, b)
                 continue
             w.call.answer(200, openai_api.response(rid, w, messages, self.runner.tokenizer,
                                         self.runner.model))
@@ -434,7 +450,8 @@ class Serving:
         (its earlier ones with it), its example with the agent's reward, info and last
         conversation; with `versions`, each token's weights version (partial rollout)."""
         samples, examples, texts, failed = [], [], [], []
-        env = records.EnvCalls(seconds=self.seconds)  # (close() sets it)
+        env = records.EnvCalls(seconds=self.seconds, refused=self.refused)  # (close() sets it)
+        self.refused = {}  # (each counted once: partial rollout takes a step's in pieces)
         for e in eps:
             out = e.outcome
             cut, no_call = out is TimeoutError, not e.open

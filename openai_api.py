@@ -22,11 +22,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class BadCall(Exception):
-    """A call the endpoint refuses: its HTTP status and a one-line message."""
+    """A call the endpoint refuses: its HTTP status, a one-line message, and the kind of
+    refusal it counts as (records.REFUSALS)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, kind: str = "bad_request"):
         super().__init__(message)
-        self.status = status
+        self.status, self.kind = status, kind
 
 
 def error_body(message: str, status: int) -> dict:

@@ -101,25 +101,26 @@ def resolve(spec: str, field: str, builtins: dict, signature: str):
 
 def call(fn, spec: str, args: tuple, check, shown: set, what: str):
     """check(fn(*args)), or Failed if that raised (with the traceback on stderr the first time for
-    each function, so that a broken one is seen)."""
+    each function and kind of error, so that a broken one is seen, and a flood is not)."""
     try:
         return check(fn(*args))
-    except Exception:
-        return _failed(spec, shown, what)
+    except Exception as e:
+        return _failed(spec, shown, what, e)
 
 
 async def acall(fn, spec: str, args: tuple, check, shown: set, what: str):
     """call() for an `async def` function."""
     try:
         return check(await fn(*args))
-    except Exception:
-        return _failed(spec, shown, what)
+    except Exception as e:
+        return _failed(spec, shown, what, e)
 
 
-def _failed(spec: str, shown: set, what: str):
-    if spec not in shown:
-        shown.add(spec)
-        print(f"{what} {spec!r} failed (counted; shown once):", file=sys.stderr)
+def _failed(spec: str, shown: set, what: str, e: Exception):
+    if (spec, type(e)) not in shown:
+        shown.add((spec, type(e)))
+        print(f"{what} {spec!r} failed with {type(e).__name__} (counted; each kind of error "
+              "shown once):", file=sys.stderr)
         traceback.print_exc()
     return Failed
 

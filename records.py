@@ -50,6 +50,13 @@ def shown(examples: list[dict], texts: list[str]) -> list:
     return [ex.get("conversation", text) for ex, text in zip(examples, texts)]
 
 
+# why the agents' endpoint refused a call (agents.Serving): a call for no episode of the rollout
+#   (a made-up or stale base URL), one after its agent returned, one the endpoint cannot serve
+#   (its fields, or messages the chat template refuses), one past env.max_turns or
+#   env.max_tokens, one whose completion env.tool_parser failed on
+REFUSALS = ("no_episode", "after_return", "bad_request", "limit", "tool_parser")
+
+
 @dataclass
 class EnvCalls:
     """An environment's calls, counted: those that raised, those cut at env.timeout_s, and the
@@ -59,11 +66,14 @@ class EnvCalls:
     seconds: float = 0.0
     calls: int = 0  # an agent's calls of the endpoint (agents.py)
     rewrites: int = 0  # of those, the ones that started a new sample of their episode
+    refused: dict = field(default_factory=dict)  # an agent's calls refused, by REFUSALS kind
 
     def __add__(self, other: "EnvCalls") -> "EnvCalls":
+        refused = {k: self.refused.get(k, 0) + other.refused.get(k, 0)
+                   for k in {**self.refused, **other.refused}}
         return EnvCalls(self.errors + other.errors, self.timeouts + other.timeouts,
                         self.seconds + other.seconds, self.calls + other.calls,
-                        self.rewrites + other.rewrites)
+                        self.rewrites + other.rewrites, refused)
 
 
 @dataclass
@@ -159,4 +169,6 @@ class Rollout:
         if agent:  # the agents' calls, and the share that started a new sample of an episode
             m.update(agent_calls=Sum(first * self.env.calls),
                      agent_rewrite_frac=Mean(first * self.env.rewrites, first * self.env.calls))
+            m.update({f"agent_refused/{kind}": Sum(first * self.env.refused.get(kind, 0))
+                      for kind in REFUSALS})  # (every kind, every step: reduce's names agree)
         return m

@@ -265,3 +265,15 @@ def test_clients_dropped_by_one_job_close_cleanly_in_the_next(models_server, tim
             assert all(v is not plugins.Failed for v in out), out
     err = capfd.readouterr().err
     assert "Event loop is closed" not in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, 0], ids=["worker-process", "in-process"])
+def test_each_kind_of_error_is_shown_once_with_its_traceback(timeout_s, capfd):
+    """Forty failing calls of two kinds: two tracebacks on stderr, one a kind, each named; every
+    call counted as failed."""
+    with worker(timeout_s=timeout_s, workers=1) as w:
+        out = w.run([(0, (i, {"mode": "boom" if i % 2 else "bad"})) for i in range(40)])
+    assert out == [plugins.Failed] * 40
+    err = capfd.readouterr().err
+    assert err.count("Traceback") == 2, err[-3000:]
+    assert err.count("failed with RuntimeError") == err.count("failed with ValueError") == 1

@@ -143,6 +143,14 @@ assert tok.decode(s.response_ids[:6], **special) == "<tool_call>1+2</tool_call><
 assert tok.decode(s.prompt_ids + s.response_ids, **special) == tok.apply_chat_template(
     [openai_api.for_template(m) for m in info["messages"]], tokenize=False)
 print(f"rank {rank}: a call cut after 3 steps went on under the next version: {s.versions}")
+# refused calls, counted by kind (records.REFUSALS): one under no episode's URL, one the
+# endpoint cannot serve, one past env.max_turns=4
+gen = run("refusals")
+assert gen.examples[0]["agent_info"]["got"] == ["no_episode", "bad_request", "limit"]
+assert gen.env.refused == {"no_episode": 1, "bad_request": 1, "limit": 1}, gen.env.refused
+assert gen.turns == [4] and gen.limited == [True]
+print(f"rank {rank}: refused calls by kind: {gen.env.refused}")
+
 # the ready-client form (envs.with_client): each episode's client an AsyncOpenAI at its own
 # URL, all of them over the one HTTP client of their event loop
 gen = run("ready", n=3)

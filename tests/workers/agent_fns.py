@@ -72,3 +72,28 @@ async def ready(client, example: dict):
         model="m", messages=[{"role": "user", "content": example["prompt"]}], max_tokens=4)
     return 1.0, {"kind": type(client).__name__, "base_url": str(client.base_url),
                  "http": id(client._client), "content": reply.choices[0].message.content}
+
+
+async def refusals(base_url: str, example: dict):
+    """A call under a base URL of no episode, one the endpoint cannot serve (stream), then
+    calls until one is past env.max_turns: each refused, and what the client got."""
+    got = []
+    async with AsyncOpenAI(base_url=base_url.replace("/e/", "/e/nope"), api_key="unused",
+                           max_retries=0) as stranger:
+        try:
+            await stranger.chat.completions.create(model="m", messages=[
+                {"role": "user", "content": example["prompt"]}])
+        except openai.NotFoundError:
+            got.append("no_episode")
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        messages = [{"role": "user", "content": example["prompt"]}]
+        try:
+            await client.chat.completions.create(model="m", messages=messages, stream=True)
+        except openai.BadRequestError:
+            got.append("bad_request")
+        for _ in range(5):
+            try:
+                await client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+            except openai.BadRequestError:
+                got.append("limit")
+    return 1.0, {"got": got}

@@ -18,6 +18,8 @@ def nap(x, example):
         time.sleep(3600)
     if mode == "boom":
         raise RuntimeError("boom")
+    if mode == "bad":
+        raise ValueError("bad")
     if mode == "die":
         os._exit(3)
     time.sleep(example.get("s", 0.0))
