@@ -92,7 +92,7 @@ class Episode:
     def __init__(self, example: dict, index: int):
         self.example, self.index, self.key = example, index, secrets.token_hex(8)
         self.open: list[Segment] = []
-        self.calls = self.rewrites = 0
+        self.calls = self.rewrites = self.tool_calls = 0  # tool_calls: the model's, parsed
         self.limited, self.conversation, self.tools, self.outcome = False, None, None, None
         self.done = self.dropped = False
 
@@ -135,6 +135,7 @@ class Episode:
             seg.truncated, seg.text = how == "length", content
             messages.append(message)
             made.append(seg)
+            self.tool_calls += len(calls)
         self.open = [s for s in self.open if s is not w.base] + made
         self.conversation = req.messages + [openai_api.for_template(messages[-1])]
         self.tools = req.tools
@@ -459,6 +460,8 @@ class Serving:
             env.errors += out is plugins.Failed or (no_call and not cut)
             env.timeouts += cut
             env.calls, env.rewrites = env.calls + e.calls, env.rewrites + e.rewrites
+            env.episodes, env.tool_calls = env.episodes + 1, env.tool_calls + e.tool_calls
+            env.tool_episodes += e.tool_calls > 0
             reward, info = (0.0, None) if bad else out
             if e.open:
                 samples.append(e.sample(versions))

@@ -67,13 +67,18 @@ class EnvCalls:
     calls: int = 0  # an agent's calls of the endpoint (agents.py)
     rewrites: int = 0  # of those, the ones that started a new sample of their episode
     refused: dict = field(default_factory=dict)  # an agent's calls refused, by REFUSALS kind
+    episodes: int = 0  # agents' episodes that returned
+    tool_calls: int = 0  # the tool calls the model wrote in them (env.tool_parser's)
+    tool_episodes: int = 0  # those episodes with at least one
 
     def __add__(self, other: "EnvCalls") -> "EnvCalls":
         refused = {k: self.refused.get(k, 0) + other.refused.get(k, 0)
                    for k in {**self.refused, **other.refused}}
         return EnvCalls(self.errors + other.errors, self.timeouts + other.timeouts,
                         self.seconds + other.seconds, self.calls + other.calls,
-                        self.rewrites + other.rewrites, refused)
+                        self.rewrites + other.rewrites, refused, self.episodes + other.episodes,
+                        self.tool_calls + other.tool_calls,
+                        self.tool_episodes + other.tool_episodes)
 
 
 @dataclass
@@ -166,9 +171,13 @@ class Rollout:
                      env_time_s=self.env.seconds, env_errors=Sum(first * self.env.errors),
                      env_timeouts=Sum(first * self.env.timeouts),
                      limited_frac=Mean(sum(self.limited[tp_rank::tp]), n))
-        if agent:  # the agents' calls, and the share that started a new sample of an episode
-            m.update(agent_calls=Sum(first * self.env.calls),
-                     agent_rewrite_frac=Mean(first * self.env.rewrites, first * self.env.calls))
+        if agent:  # the agents' calls, the share that started a new sample of an episode, and
+            #   the tool calls the model wrote: per episode, and the share of episodes with one
+            env, eps = self.env, first * self.env.episodes
+            m.update(agent_calls=Sum(first * env.calls),
+                     agent_rewrite_frac=Mean(first * env.rewrites, first * env.calls),
+                     agent_tool_calls=Mean(first * env.tool_calls, eps),
+                     agent_tool_frac=Mean(first * env.tool_episodes, eps))
             m.update({f"agent_refused/{kind}": Sum(first * self.env.refused.get(kind, 0))
                       for kind in REFUSALS})  # (every kind, every step: reduce's names agree)
         return m

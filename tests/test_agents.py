@@ -178,6 +178,27 @@ def test_agent_cpu_runs(tiny_task_dir, tmp_path, carry):
         assert max(r["stale_max"] for r in rows) >= 1, rows
 
 
+@pytest.mark.engine
+@pytest.mark.main_only
+def test_lookup_cpu_runs_and_counts_the_episodes_that_called_the_tool(tiny_task_dir, tmp_path):
+    """configs/lookup_cpu.yaml, two ranks, 2 steps: an episode whose first reply called the tool
+    makes a second call, the others none (examples/lookup_agent.py), so the endpoint's calls
+    are the episodes plus those that used the tool: agent_calls against agent_tool_frac, which
+    the tool parser's counts give; and only such episodes can score."""
+    out = tmp_path / "run"
+    launch(["train_grpo.py", "--config", "configs/lookup_cpu.yaml",
+            f"--data.tiny_task_dir={tiny_task_dir}-chat", "--train.steps=2",
+            "--grpo.prompts_per_step=16", "--log.eval_every=0", f"--log.out_dir={out}"],
+           timeout=900)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    episodes = 16 * 8
+    for r in rows:
+        assert r["agent_calls"] == round(episodes * (1 + r["agent_tool_frac"])), r
+        assert r["agent_tool_calls"] >= r["agent_tool_frac"], r
+        assert r["reward_mean"] <= r["agent_tool_frac"] and r["env_errors"] == 0, r
+    assert any(r["agent_tool_frac"] > 0 for r in rows), rows  # (about 5% at first, measured)
+
+
 @pytest.mark.parametrize("template, differs", [(None, False), ("qwen3_style", True)])
 def test_a_sample_against_the_template_s_whole_conversation(tmp_path, caplog, template, differs):
     """AgentRunner.check, once a run: an episode's sample made call by call (the first prompt
@@ -246,3 +267,37 @@ def test_an_episode_s_samples_train_with_its_advantage():
     assert adv.tolist() == [0.5, -1.0, -1.0, -1.0]
     same, adv = records.with_earlier([a], torch.tensor([0.5]))
     assert same == [a] and adv.tolist() == [0.5]
+
+
+def test_a_call_after_return_and_a_failing_tool_parser_are_refused_and_counted(tmp_path, caplog):
+    """Serving: a call whose episode's agent already returned is answered 410 and counted
+    after_return (it is no part of the sample); a completion that env.tool_parser raises on is
+    answered 500 and counted tool_parser, its tokens kept out of the episode; each kind's first
+    refusal is logged, not the next."""
+    f = tmp_path / "a.py"
+    f.write_text("async def agent(base_url, example):\n    return 1.0\n\n"
+                 "def parser(text, tools):\n    raise ValueError('no JSON in ' + text)\n")
+    tok = chat_tokenizer()
+    env = episodes.EnvConfig(kind="agent", name=f"{f}:agent", tool_parser=f"{f}:parser",
+                             timeout_s=0)
+    runner = agents.AgentRunner(env, tok, 8, 64, "m")
+    serving = agents.Serving(runner, None, {})
+    done, going = agents.Episode({}, 0), agents.Episode({}, 1)
+    done.done = True
+    serving.by_key.update({done.key: done, going.key: going})
+    body = {"messages": [{"role": "user", "content": "Q"}], "tools": [{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    with caplog.at_level("WARNING", logger="grpo"):
+        late = [openai_api.Call(done.key, body) for _ in range(2)]
+        assert [serving.accept(c) for c in late] == [[], []]
+        (rid, prompt, *_), = serving.accept(parsed := openai_api.Call(going.key, body))
+        serving.ended([(rid, tok("41", add_special_tokens=False)["input_ids"], [-0.5] * 2,
+                        "stop")])
+    serving.endpoint.close()
+    runner.close()
+    assert [c.status for c in late] == [410, 410] and done.calls == 0
+    assert parsed.status == 500 and "no JSON in 41" in parsed.response["error"]["message"]
+    assert going.open == [] and going.tool_calls == 0  # nothing of the refused completion kept
+    assert serving.refused == {"after_return": 2, "tool_parser": 1}, serving.refused
+    shown = [r.getMessage() for r in caplog.records if "was refused" in r.getMessage()]
+    assert len(shown) == 2 and "after_return" in shown[0] and "tool_parser" in shown[1], shown

@@ -61,6 +61,8 @@ assert gen.examples[0]["agent_reward"] == 1.0 and info["models"] == ["tiny"]
 assert "stream" in info["refused"], info["refused"]
 seen = info["seen"]
 assert [x["finish"] for x in seen] == ["tool_calls"] * 3, seen
+# the tool calls the model wrote (records.EnvCalls): the client got one in each of three replies
+assert (gen.env.episodes, gen.env.tool_calls, gen.env.tool_episodes) == (1, 3, 1), gen.env
 assert seen[0]["overridden"] == {"temperature": 0.0}, seen[0]  # greedy here: the run's wins
 special = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
 masked = [tok.decode(s.response_ids[i:j], **special) for i, j in spans(s.mask, 0)]
@@ -157,6 +159,7 @@ gen = run("ready", n=3)
 infos = [ex["agent_info"] for ex in gen.examples]
 assert not any(gen.failed) and all(i["kind"] == "AsyncOpenAI" and i["content"] for i in infos)
 assert len({i["base_url"] for i in infos}) == 3 and len({i["http"] for i in infos}) == 1, infos
+assert (gen.env.episodes, gen.env.tool_calls) == (3, 0), gen.env  # (no tools offered)
 print(f"rank {rank}: three episodes' ready clients, one HTTP client under them")
 engine.shutdown()
 print("AGENT_ENDPOINT_OK")
