@@ -52,7 +52,7 @@ def _coerce(where: str, value, typ):
         if typ is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
-            return str(value)
+            return str(value).lower() if isinstance(value, bool) else str(value)  # (YAML's true)
         if typing.get_origin(typ) is list:  # a YAML list, or "a,b" / "[a, b]" on the command line
             text = str(value).strip()
             if text.startswith("[") and text.endswith("]"):

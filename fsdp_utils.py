@@ -200,6 +200,9 @@ class OptimConfig:
     schedule: Annotated[str, OneOf("constant", "cosine")] = "constant"
     min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0  # cosine: the last step's lr / lr
     grad_clip: Annotated[float, Range(0)] = 1.0  # max global grad norm; 0 disables
+    # optimizer steps in a row whose loss or grad norm is not finite (each skipped: no change
+    #   to the parameters or the optimizer's state) before the run stops (faults.py)
+    max_nonfinite: Annotated[int, Range(1)] = 3
 
 
 # Packed micro-batches (grpo.pack): several samples in one row, position ids restarting at 0 for

@@ -892,13 +892,31 @@ def split_mini_batches(n: int, k: int, generator) -> list[list[int]]:
     return [order[j::k] for j in range(k)]
 
 
+NONFINITE = ("loss", "grad_norm")  # what makes update skip an optimizer step (nonfinite)
+
+
+def nonfinite(loss: torch.Tensor, norm: torch.Tensor) -> str | None:
+    """Which of an optimizer step's loss (this rank's part, 0-dim) and gradient norm (the global
+    one, 0-dim, on the same device) is not finite on some rank: "loss", "grad_norm" or None, the
+    same answer on every rank. One all-reduce and one read: the step must be decided before the
+    optimizer takes it (a NaN in one rank's loss reaches every rank's shards through the
+    gradients' reduce-scatter)."""
+    flags = torch.stack([loss, norm]).isfinite().logical_not().float()
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad = flags.tolist()
+    return next((what for what, b in zip(NONFINITE, bad) if b), None)
+
+
 def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
     """grpo.ppo_epochs passes over this rank's samples (`batch`), each split into
     grpo.mini_batches optimizer steps, gradients clipped to cfg.grad_clip (0: off). Returns the
     update's metrics (tracking.reduce): entropy, clip_frac, the engine/trainer mismatch, kl with
     a reference, the mean grad norm, logprobs_time_s (the old-policy and reference passes),
     trained_tokens and trained_rows (the tokens the passes took, and the output layer's rows
-    among them)."""
+    among them). An optimizer step whose loss or gradient norm is not finite is not taken
+    (`nonfinite`): `skipped` lists each step's verdict in order (None: taken), and
+    nonfinite_loss / nonfinite_grad_norm count them."""
     opt.zero_grad(set_to_none=True)  # what an update cut short (Ctrl-C) may have left
     g, samples, t = cfg.grpo, batch.samples, time.perf_counter()
     # old_logp is the sampling policy as the trainer computes it. On-policy it comes from the
@@ -918,7 +936,7 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
         with fsdp_utils.reference(ref):
             ref_logp = logprobs.sample_logprobs(ref, samples, cfg, split=batch.split)
     logprobs_time = time.perf_counter() - t
-    loss_tokens, norms, losses = 0, [], []
+    loss_tokens, norms, losses, skipped = 0, [], [], []
     clipped, entropy = torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
     shuffle = torch.Generator().manual_seed(batch.seed)
     router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
@@ -936,22 +954,32 @@ def update(actor, ref, opt, batch: Batch, cfg: Settings) -> dict:
                 entropy += stats["entropy"]
             norms.append(fsdp_utils.clip_grad_norm(actor, cfg.grad_clip))
             losses.append(stats["loss"])
-            opt.step()
+            skipped.append(nonfinite(losses[-1], norms[-1]))
+            if skipped[-1] is None:  # else no change to the parameters or the optimizer's state
+                opt.step()
             opt.zero_grad(set_to_none=True)
     read = torch.stack([clipped, entropy, *norms, *losses]).tolist()  # one read
     (clipped, entropy), norms, losses = read[:2], read[2:2 + len(norms)], read[2 + len(norms):]
     sums = {"clipped": clipped, "entropy": entropy, "loss_tokens": loss_tokens}
-    # the loss each optimizer step minimised, averaged: a global mean of which each rank holds
-    #   the part of its tokens (under sequence parallelism too), summed over ranks
-    loss = sum(losses) / len(losses)
     out = {**update_metrics(batch, old_logp, ref_logp, g, sums, router),
-           "grad_norm": sum(norms) / len(norms), "loss": tracking.Sum(loss),
-           "logprobs_time_s": logprobs_time}
+           **optimizer_metrics(norms, losses, skipped), "logprobs_time_s": logprobs_time}
     if forks:  # the share of the model's tokens that kept their gradient, and the bar
         out.update(forking_frac=tracking.Mean(sum(float(k.sum()) for k in keep) / batch.sp,
                                               sum(s.model_tokens for s in samples) / batch.sp),
                    entropy_threshold=tracking.Max(threshold))
     return out
+
+
+def optimizer_metrics(norms: list, losses: list, skipped: list) -> dict:
+    """The optimizer steps' metrics, over the steps taken: the mean grad norm, and the mean loss
+    each step minimised (a global mean of which each rank holds the part of its tokens, under
+    sequence parallelism too: summed over ranks); the steps not taken, by reason (nonfinite),
+    and `skipped`, each step's verdict in order."""
+    taken = [i for i, why in enumerate(skipped) if why is None]
+    n = max(len(taken), 1)
+    return {"grad_norm": sum(norms[i] for i in taken) / n,
+            "loss": tracking.Sum(sum(losses[i] for i in taken) / n), "skipped": skipped,
+            **{f"nonfinite_{what}": tracking.Max(skipped.count(what)) for what in NONFINITE}}
 
 
 def update_metrics(batch: Batch, old_logp: list, ref_logp, cfg: GRPOConfig, sums: dict,

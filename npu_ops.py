@@ -229,6 +229,17 @@ def memory_gb() -> dict:
     return {"allocated": mod.memory_allocated() / 2**30, "peak": mod.max_memory_allocated() / 2**30}
 
 
+def host_memory_gb() -> float:
+    """This process's resident host memory (VmRSS) in GiB, whatever the device; 0.0 where
+    /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = dict(line.split(":", 1) for line in f)
+        return int(kib["VmRSS"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return 0.0
+
+
 def reset_peak_memory() -> None:
     """Start memory_gb()'s peak afresh: the device allocator's peak, or on CPU the process's
     resident high-water mark (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""

@@ -156,6 +156,8 @@ def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int,
     (a job of ("async", calls, timeout_s)) in an event loop, sending ("start", k) as each
     begins and (k, outcome) as each ends. Exits on None, EOF or when the trainer is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is a scheduler's stop: the trainer
+    #   finishes its step, which may need us, before it stops (faults.StopSignals)
 
     def exit_with_parent():  # never outlive the trainer, even while a call hangs
         while os.getppid() == parent_pid:

@@ -47,6 +47,7 @@ import data
 import distill
 import episodes
 import evaluation
+import faults
 import fsdp_utils
 import grpo
 import offload
@@ -61,7 +62,7 @@ import tracking
 import weight_sync
 from data import DataConfig
 from distill import DistillConfig
-from domains import FLAG, Range
+from domains import OneOf, Range
 from episodes import EnvConfig
 from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
@@ -80,8 +81,10 @@ log = logging.getLogger("grpo")
 class TrainConfig:
     steps: Annotated[int, Range(1)] = 100  # steps of the run: each a rollout and its update
     seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
-    # continue from the newest checkpoint in log.out_dir, if there is one
-    resume: Annotated[bool, FLAG] = False
+    # continue from the newest complete checkpoint in log.out_dir: auto (if there is one; what
+    #   a restarting launcher needs: the same command starts and resumes), true (there must be
+    #   one), false (start afresh)
+    resume: Annotated[str, OneOf("false", "true", "auto")] = "false"
     # how long a collective waits for the slowest rank (a longer rollout, rank 0's checkpoint
     #   save) before the run stops: init_process_group's timeout. On Ascend, HCCL's own limit
     #   applies too (1091 s under AIV expansion: docs/platforms.md)
@@ -136,6 +139,7 @@ class Run:
     tracker: tracking.Tracker = None
     profiler: "StepProfiler" = None  # log.profile_steps
     step: int = 0  # steps taken
+    nonfinite: int = 0  # optimizer steps in a row not taken: loss or grad norm not finite
     last: "Last" = None  # the last step's rollout, scores and batch
     bar: object = None
     log_handler: logging.Handler = None  # the one setup added, if the process had none
@@ -275,6 +279,10 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
                                        chat=cfg.data.tiny_task_chat)
         dist.barrier()
     config.validate(cfg, world)
+    if cfg.train.resume == "true" and checkpoint.latest_checkpoint(cfg.log.out_dir) is None:
+        raise config.BadInput(f"train.resume=true: log.out_dir={cfg.log.out_dir} holds no "
+                              "complete checkpoint. Fix: train.resume=auto (resume if there is "
+                              "one, else start afresh), or the log.out_dir of the run to resume")
     config.check_model(cfg)
     config.check_host_memory(cfg, world)
     if rank == 0:
@@ -323,7 +331,7 @@ def build(run: Run) -> None:
     build_trainer(run)
     run.turn = weight_sync.EngineTurn(run.actor, run.opt, run.engine,
                                       offload_on=offload.enabled(cfg.model.offload))
-    if cfg.train.resume and (ckpt := checkpoint.latest_checkpoint(cfg.log.out_dir)):
+    if cfg.train.resume != "false" and (ckpt := checkpoint.latest_checkpoint(cfg.log.out_dir)):
         state = checkpoint.load_checkpoint(ckpt, run.actor, run.opt, run.sched)
         run.step = state["step"]
         run.sampler.resume(state, run.step)
@@ -452,6 +460,7 @@ def train_step(run: Run, rollout=None) -> dict:
     # 4) update: packed micro-batches whose loss is grpo.grpo_loss; the optimizer's steps
     with torch.profiler.record_function("step:train"):
         update = grpo.update(run.actor, run.ref, run.opt, batch, run.settings)
+    skipped = update.pop("skipped")  # the optimizer steps not taken: not finite (faults.py)
     run.sched.step()
     run.step, run.last = step, Last(ro, scored, batch)
     # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
@@ -460,6 +469,8 @@ def train_step(run: Run, rollout=None) -> dict:
         metrics.update(evaluate(run))
     log_step(run, metrics)
     run.profiler.after(step)
+    # 6) optim.max_nonfinite optimizer steps in a row not taken stop the run
+    run.nonfinite = faults.count(run.nonfinite, skipped, step, run.cfg.optim.max_nonfinite)
     return metrics
 
 
@@ -485,7 +496,7 @@ def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,
         "mem_peak_gb": npu_ops.memory_gb()["peak"] - run.engine.allocated_gb,
-        **run.engine.memory.metrics(), **turn})
+        **run.engine.memory.metrics(), **turn, **memory_now()})
     metrics["tokens_per_s"] = metrics.pop("tokens") / times["step_time_s"]
     # the update's model FLOP utilisation: matrix FLOPs over its seconds, per device
     flops = (run.flops[0] * metrics.pop("trained_tokens")
@@ -496,6 +507,15 @@ def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -
     if "gen_tokens" in metrics:  # partial rollout: generated this step, carried tokens included
         metrics["gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(times["gen_time_s"], 1e-9)
     return metrics
+
+
+def memory_now() -> dict:
+    """The memory the step left held, the largest rank's: host (resident) and, on an
+    accelerator, device (allocated); a leak grows them step after step (bench/memory.py)."""
+    out = {"mem_host_gb": tracking.Max(npu_ops.host_memory_gb())}
+    if npu_ops.device_type() != "cpu":
+        out["mem_device_gb"] = tracking.Max(npu_ops.memory_gb()["allocated"])
+    return out
 
 
 def evaluate(run: Run) -> dict:
@@ -519,22 +539,42 @@ def log_step(run: Run, metrics: dict) -> None:
         run.tracker.log_samples("samples.jsonl", step, [ro.examples[i] for i in few],
                                 [shown[i] for i in few], [ro.rewards[i] for i in few])
     if cfg.save_every and step % cfg.save_every == 0:
-        state = run.sampler.state_dict()
-        checkpoint.save_checkpoint(cfg.out_dir, step, run.actor, run.opt, run.sched,
-                                   cfg.keep_checkpoints, extra={"drawn": state["drawn"]},
-                                   rank={"carry": state["carry"]})
+        save(run)
+
+
+def save(run: Run) -> str:
+    """A checkpoint of the run after its last step (checkpoint.save_checkpoint: the actor, the
+    optimizer and schedule, the data drawn, partial rollout's carry); returns its directory."""
+    cfg, state = run.cfg.log, run.sampler.state_dict()
+    return checkpoint.save_checkpoint(cfg.out_dir, run.step, run.actor, run.opt, run.sched,
+                                      cfg.keep_checkpoints, extra={"drawn": state["drawn"]},
+                                      rank={"carry": state["carry"]})
 
 
 def train(cfg: Config) -> dict:
     """Run GRPO for cfg.train.steps steps and export the actor to log.out_dir/final; returns the
-    last step's metrics."""
+    last step's metrics. A stop signal (faults.StopSignals: SIGTERM, SIGUSR1) ends the run after
+    the step it came in, with a checkpoint and no export."""
     metrics = {}
-    with setup(cfg) as run:
+    with setup(cfg) as run, faults.StopSignals() as signals:
         while run.step < run.cfg.train.steps:
             metrics = train_step(run)
+            if (got := signals.agreed()) is not None:
+                return stopped(run, got, metrics)
         checkpoint.save_hf(run.actor, run.tokenizer, os.path.join(run.cfg.log.out_dir, "final"),
                            source=run.cfg.model.path,  # the run's copy: the tiny task's path
                            lora=run.cfg.model.lora)
+    return metrics
+
+
+def stopped(run: Run, signal_name: str, metrics: dict) -> dict:
+    """After the step a stop signal came in: its checkpoint (unless log.save_every wrote it) and
+    one line saying how to go on."""
+    cfg = run.cfg.log
+    done = cfg.save_every and run.step % cfg.save_every == 0
+    path = checkpoint.latest_checkpoint(cfg.out_dir) if done else save(run)
+    log.warning("stopped by %s after step %d of %d; checkpoint %s. Resume: the same command "
+                "with --train.resume=auto", signal_name, run.step, run.cfg.train.steps, path)
     return metrics
 
 
@@ -551,7 +591,17 @@ def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         npu_ops.local_device()  # pick this rank's device before the process group binds one
-        dist.init_process_group(npu_ops.dist_backend(), timeout=timedelta(seconds=timeout_s))
+        timeout, store = timedelta(seconds=timeout_s), None
+        if (attempt := os.environ.get("TORCHELASTIC_RESTART_COUNT")) is not None:
+            # torchrun's store outlives a restart with the keys of the attempt before, and a
+            #   group made again (the engine's, by new_group) read the dead ranks' addresses
+            #   from them (gloo: connection refused, or a hang): each attempt's keys apart
+            store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+            store = dist.PrefixStore(f"attempt_{attempt}", store)
+        dist.init_process_group(npu_ops.dist_backend(), timeout=timeout, store=store,
+                                **({} if store is None else dict(
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -568,12 +618,13 @@ def main(argv=None) -> None:
             print(parser.format_help() + "\n" + config.help_text(Config, args.help or None))
             return
         train(load_config(args.config, overrides))
-    except config.BadInput as e:  # the user's input, found by our checks: one line, no traceback
+    except (config.BadInput, faults.NonFinite) as e:  # the user's input, found by our checks,
+        #   or a run stopped by its numbers: one line, no traceback
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, config.BadInput) else 1)
 
 
 if __name__ == "__main__":

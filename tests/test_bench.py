@@ -1,5 +1,5 @@
 """The benchmarks end to end, small: bench/step.py on 2 ranks (the trainer's loop with the floor
-beside each rollout), bench/envs.py, bench/partial.py."""
+beside each rollout), bench/envs.py, bench/partial.py, and the others' plumbing."""
 
 import json
 
@@ -110,3 +110,15 @@ def test_agent_forms_bench_trains_both_forms_without_a_traceback(tmp_path):
     ready, url = line["solve"], line["solve_from_url"]
     assert ready["tracebacks"] == url["tracebacks"] == url["event_loop_closed"] == 0
     assert line["from_url_over_ready"] == round(url["gen_time_s"] / ready["gen_time_s"], 3)
+
+
+@pytest.mark.engine
+@pytest.mark.main_only  # the bench script's own plumbing
+def test_memory_bench_fits_the_growth_of_host_memory(tiny_task_dir, tmp_path):
+    """bench/memory.py, small: the run's host memory per step, fitted after the warm-up."""
+    out = launch(["bench/memory.py", "--steps", "8", "--warmup", "2", "--out", str(tmp_path),
+                  f"--data.tiny_task_dir={tiny_task_dir}", "--grpo.prompts_per_step=8"],
+                 nproc=1)
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["steps"] == 8 and line["device"] is None, line  # (CPU: no device memory)
+    assert 0 < line["host"]["first_gb"] and isinstance(line["host"]["mib_per_100_steps"], float)

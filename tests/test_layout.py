@@ -48,13 +48,14 @@ ALLOWED = {
     "batcher": {"grpo", "records", "rollout"},  # a scored rollout -> this rank's grpo.Batch
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "snapshot": {"checkpoint", "npu_ops", "offload"},  # a run's state held aside, put back
+    "faults": set(),  # a stop signal, non-finite steps: what the loop does about them
     # variants of the update on the same rollouts from one snapshot
     "variants": {"config", "domains", "evaluation", "snapshot", "tracking", "train_grpo"},
     "config": {"domains"},  # walks the sections' own checks: imports none of their modules
     "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "partial", "evaluation", "sampler", "distill", "seq_parallel",
-                   "batcher", "snapshot"},
+                   "batcher", "snapshot", "faults"},
 }
 
 # A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.

@@ -22,6 +22,8 @@ import torch
 from train_grpo import load_config, setup, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers
+from states import same_state, state  # noqa: E402
 
 mode, config_file, task_dir, out_dir = sys.argv[1:5]
 CLOCK = ("_time_s", "tokens_per_s", "mem_", "train_tflops", "mfu")  # seconds, memory peaks
@@ -30,23 +32,6 @@ TURN = ("sync_gb", "offload_host_gb", "replay")  # what an engine turn reports, 
 
 def numbers(metrics: dict, also=()) -> dict:
     return {k: v for k, v in metrics.items() if not any(c in k for c in CLOCK + tuple(also))}
-
-
-def state(run) -> dict:
-    """This rank's shards of every parameter and of every optimizer state tensor, copied."""
-    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa
-    out = {f"param {n}": local(p) for n, p in run.actor.named_parameters()}
-    for i, p in enumerate(q for g in run.opt.param_groups for q in g["params"]):
-        for k, v in run.opt.state.get(p, {}).items():
-            out[f"optim {i} {k}"] = local(v) if torch.is_tensor(v) else v
-    return out
-
-
-def same_state(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: {set(a) ^ set(b)}"
-    for k in a:
-        equal = torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
-        assert equal, f"{what}: {k} differs"
 
 
 def exact(run, overrides) -> None:

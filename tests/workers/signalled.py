@@ -1,0 +1,27 @@
+"""The trainer as torchrun runs it, except that rank RANK sends itself SIGNAL (a name: SIGTERM,
+SIGKILL) as step STEP begins collecting, on the launcher's first attempt only (torchrun's
+TORCHELASTIC_RESTART_COUNT 0, or none): a scheduler's stop, or a rank that dies, mid-step.
+Usage: torchrun ... tests/workers/signalled.py SIGNAL RANK STEP [train_grpo.py args]
+"""
+
+import os
+import signal
+import sys
+
+import sampler
+import train_grpo
+
+name, rank, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+real = sampler.Sampler.collect
+
+
+def collect(self, at: int):
+    if first and at == step and int(os.environ["RANK"]) == rank:
+        print(f"rank {rank}: sending itself {name} in step {at}", flush=True)
+        os.kill(os.getpid(), getattr(signal, name))
+    return real(self, at)
+
+
+sampler.Sampler.collect = collect
+train_grpo.main(sys.argv[4:])
