@@ -766,7 +766,8 @@ def test_the_process_group_waits_train_dist_timeout_s(monkeypatch):
     seen = {}
     monkeypatch.setattr(train_grpo.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(train_grpo.dist, "init_process_group",
-                        lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
+                        lambda backend, timeout, **kw: seen.update(backend=backend,
+                                                                   timeout=timeout, **kw))
     monkeypatch.setattr(train_grpo.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -774,6 +775,7 @@ def test_the_process_group_waits_train_dist_timeout_s(monkeypatch):
     cfg = train_grpo.load_config(None, ["--train.dist_timeout_s=2700"])
     train_grpo.init_distributed(cfg.train.dist_timeout_s)
     assert seen["timeout"] == datetime.timedelta(seconds=2700)
+    assert seen.get("store") is None  # (not under torchrun: the environment's own rendezvous)
 
 
 @pytest.mark.parametrize("line, fails", [("step 3 ok", False), ("[ERROR] EZ9999: Inner Error!", True),
