@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 import checkpoint
 import hybrid
@@ -500,11 +502,58 @@ def flops_per_token(model: torch.nn.Module) -> tuple[int, int]:
     return body, cost(head)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (under no_grad, its own storage: in-place ops write the
+    DTensor); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardAdamW(torch.optim.AdamW):
+    """torch's AdamW with its state laid out as torch lays it out (so checkpoints and the offload
+    see no difference), whose step runs torch's own arithmetic (`torch.optim.adam.adam`, the
+    function AdamW.step calls) on each rank's shards instead of on DTensors.
+
+    AdamW is elementwise, and a parameter, its gradient and its two moments share one placement
+    (fully_shard's Shard(0)), so a shard's update is that part of the whole's, bitwise. Why not
+    hand torch's step the DTensors: on torch 2.10 and 2.11 (what accelerator nodes run now) it
+    leaks a step at a time. Its foreach path (accelerators' default) leaves tuples of specs that
+    nothing refers to, from every DTensor op given a list (measured, not traced to its line);
+    its one-tensor path (CPU's) adds an entry per parameter per step, keyed on the step size, to
+    the never-emptied `FakeTensorMode.cache` (torch/_subclasses/fake_tensor.py) as DTensor's
+    sharding propagation (torch/distributed/tensor/_sharding_prop.py) runs each new step size.
+    torch 2.13 does neither. Measured in tests/workers/step_leaks.py and shard_adamw.py;
+    docs/benchmarks.md has the numbers. DTensor's dispatch also costs host time per op."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "ShardAdamW.step takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                    raise ValueError(f"a gradient placed {p.grad.placements} on a parameter "
+                                     f"placed {p.placements}: ShardAdamW needs them alike")
+                state = self.state[p]
+                if not state:  # as torch.optim.Adam._init_group (no amsgrad, fused, capturable)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            adam(  # (its signature is the same in torch 2.10 to 2.13)
+                [local(p) for p in params], [local(p.grad) for p in params],
+                [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states],
+                [], [s["step"] for s in states], foreach=group["foreach"],
+                decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=False)
+
+
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
     """AdamW on the parameters that train (with adapters, theirs only) and its schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=cfg.weight_decay)
+    opt = ShardAdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                     weight_decay=cfg.weight_decay)
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -517,13 +566,27 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
 
+@torch.no_grad()
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm across shards; returns the norm before clipping, a 0-dim
-    tensor left on the parameters' device (the caller reads a step's norms back at once). With
-    no gradient at all (no rank had a token to learn from), torch's clip_grad_norm_ returns a CPU
-    zero, which the caller could not stack with the device's tensors: 0 on the device instead."""
+    tensor left on the parameters' device (the caller reads a step's norms back at once); 0 on
+    the device when no rank had a token to learn from (no gradient at all).
+
+    torch's arithmetic on DTensors, done on this rank's shards: each parameter's norm (summed
+    across the mesh as DTensor reduces a norm: square, all-reduce, root; each element lives on
+    one rank), the norm of those norms, and clip_grad_norm_'s factor. On shards for the reasons
+    ShardAdamW gives: clip_grad_norm_ on DTensors leaks on torch 2.10 and 2.11."""
     params = list(model.parameters())
-    if all(p.grad is None for p in params):
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros((), device=params[0].device if params else "cpu")
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else 1e30)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = torch.stack(torch._foreach_norm([local(g) for g in grads], 2.0))
+    if isinstance(grads[0], DTensor):
+        norms = norms ** 2
+        dist.all_reduce(norms, group=grads[0].device_mesh.get_group())
+        norms = norms ** 0.5
+    norm = torch.linalg.vector_norm(norms, 2.0)
+    if max_norm > 0:
+        torch._foreach_mul_([local(g) for g in grads],
+                            torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm

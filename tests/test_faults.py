@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-import torch
 
 import faults
 import train_grpo
@@ -82,11 +81,6 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_in_a_row(tiny_tas
 
 
 @pytest.mark.engine
-@pytest.mark.xfail(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), strict=True,
-                   reason="torch 2.11 (the Ascend-versions lane): DTensor's sharding-propagation "
-                          "cache (distributed/tensor/_sharding_prop.py, lru_cache(None)) gains 7 "
-                          "entries a step (DTensorSpec, OutputSharding, ... 21 in 3 steps, "
-                          "twice); not yet fixed or bounded (issue 56's note)")
 def test_a_step_leaves_nothing_that_grows(tiny_task_dir, tmp_path):
     """tests/workers/step_leaks.py: step 3's objects gone after step 4 (weak references), and no
     kind of object growing a step at a time, with the offload and the push every step."""

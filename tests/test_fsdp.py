@@ -14,6 +14,15 @@ def test_sharded_equals_unsharded(tiny_models, arch, reshard, ckpt):
     assert out.count("FSDP_PARITY_OK") == 2
 
 
+def test_shard_adamw_and_clip_equal_torch_s_on_dtensors_and_leave_nothing_growing():
+    """tests/workers/shard_adamw.py: fsdp_utils.ShardAdamW and clip_grad_norm, on each rank's
+    shards, against torch's AdamW and clip_grad_norm_ on the DTensors, bitwise, then no kind of
+    object growing step by step (torch 2.10's and 2.11's DTensor ops leak; this lane's torch
+    version decides whether the reference's own steps would fail that check)."""
+    out = launch(["tests/workers/shard_adamw.py"])
+    assert out.count("SHARD_ADAMW_OK") == 2, out[-3000:]
+
+
 @pytest.mark.parametrize("reshard", ["1", "0"], ids=["zero3", "zero2"])
 def test_offload_round_trip_is_exact(tiny_models, reshard):
     out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"], reshard])
