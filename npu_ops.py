@@ -221,23 +221,26 @@ def memory_gb() -> dict:
     """This process's memory in GiB as its allocator sees it, now and at its peak since
     reset_peak_memory(): torch's device allocator, or on CPU the resident memory (VmRSS, VmHWM)."""
     if device_type() == "cpu":
-        with open("/proc/self/status") as f:
-            kib = dict(line.split(":", 1) for line in f)
-        return {"allocated": int(kib["VmRSS"].split()[0]) / 2**20,
-                "peak": int(kib["VmHWM"].split()[0]) / 2**20}
+        now, peak = proc_status_gb("VmRSS", "VmHWM")
+        return {"allocated": now, "peak": peak}
     mod = device_module()
     return {"allocated": mod.memory_allocated() / 2**30, "peak": mod.max_memory_allocated() / 2**30}
 
 
 def host_memory_gb() -> float:
-    """This process's resident host memory (VmRSS) in GiB, whatever the device; 0.0 where
-    /proc is not there."""
+    """This process's resident host memory (VmRSS) in GiB, whatever the device."""
+    return proc_status_gb("VmRSS")[0]
+
+
+def proc_status_gb(*fields: str) -> list[float]:
+    """Fields of /proc/self/status counted in kB (VmRSS, VmHWM, ...), in GiB; zeros where /proc
+    is not there (not Linux)."""
     try:
         with open("/proc/self/status") as f:
             kib = dict(line.split(":", 1) for line in f)
-        return int(kib["VmRSS"].split()[0]) / 2**20
+        return [int(kib[k].split()[0]) / 2**20 for k in fields]
     except (OSError, KeyError, ValueError):
-        return 0.0
+        return [0.0] * len(fields)
 
 
 def reset_peak_memory() -> None:

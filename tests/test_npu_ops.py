@@ -314,6 +314,20 @@ def test_memory_comes_from_the_device_module(monkeypatch):
     assert fake.emptied
 
 
+def test_host_memory_follows_a_block_written_and_freed():
+    """npu_ops.host_memory_gb (and memory_gb on CPU) read /proc/self/status: 256 MiB written
+    (every page touched) raise the resident memory by that much, and freeing it lowers it."""
+    before = npu_ops.host_memory_gb()
+    block = b"\x01" * (256 * 2**20)
+    held = npu_ops.host_memory_gb()
+    del block
+    after = npu_ops.host_memory_gb()
+    assert 0.24 < held - before < 0.3 and held - after > 0.24, (before, held, after)
+    now, peak = npu_ops.proc_status_gb("VmRSS", "VmHWM")
+    assert 0 < now <= peak and peak >= held - 1e-3
+    assert npu_ops.proc_status_gb("NoSuchField", "VmRSS") == [0.0, 0.0]  # not there: zeros
+
+
 def test_engine_kwargs_switch_off_cpu_binding_and_the_nz_mode(monkeypatch):
     """vLLM-Ascend takes weight_nz_mode in additional_config from 0.20.2rc1 on; before, only the
     variable (which setup_env sets to 0, and which the checks demand there)."""
