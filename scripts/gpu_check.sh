@@ -10,7 +10,10 @@
 #   3. bench/step.py at Qwen2.5-0.5B's shapes (a random model, 512-token responses) on
 #      $BENCH_CONFIG (default configs/qwen2.5-0.5b-gsm8k-cuda1.yaml);
 #   4. a LoRA run (configs/lora_cpu.yaml in bf16, 30 steps, a KL term against the base): the
-#      adapter pushed in place each step, the engine sleeping with LoRA on.
+#      adapter pushed in place each step, the engine sleeping with LoRA on;
+#   and, asked for by name only (PARTS="memory", about 3 minutes more): bench/memory.py, the
+#   tiny task for 500 steps on one rank with the offload and a push every step, host and device
+#   memory fitted per 100 steps after step 200 (one rank on CPU still rose until step 250).
 # Prints one summary at the end, of every part whose log is in $OUT; exit code 0 when all the
 # parts run passed with no runtime error line in their logs ($DEVICE_ERRORS, a regex: CUDA's by
 # default). Logs stay in $OUT.
@@ -57,6 +60,12 @@ if part lora; then
       >"$OUT/lora.log" 2>&1
   echo "$?" >"$OUT/lora.rc"
 fi
+if part memory; then
+  timeout 420 "$PY" bench/memory.py --steps 500 --warmup 200 --nproc 1 --out "$OUT/memory" \
+      --model.param_dtype="$ENGINE_DTYPE" --rollout.dtype="$ENGINE_DTYPE" \
+      --data.tiny_task_dir="$OUT/tiny_task" >"$OUT/memory.log" 2>&1
+  echo "$?" >"$OUT/memory.rc"
+fi
 
 "$PY" - "$OUT" "$(( $(date +%s) - start ))" <<'EOF'
 import json, os, re, sys
@@ -66,7 +75,8 @@ def read(name):
     path = os.path.join(out, name)
     return open(path, errors="replace").read() if os.path.exists(path) else ""
 
-rc = {part: int(read(f"{part}.rc").strip() or 1) for part in ("tests", "tiny", "bench", "lora")
+rc = {part: int(read(f"{part}.rc").strip() or 1)
+      for part in ("tests", "tiny", "bench", "lora", "memory")
       if os.path.exists(os.path.join(out, f"{part}.rc"))}  # the parts run, in this $OUT
 errors = {part: len(re.findall(os.environ["DEVICE_ERRORS"], read(f"{part}.log"))) for part in rc}
 lines, found = [], {}
@@ -134,6 +144,14 @@ if lora:
                  f"{last.get('eval_pass1', float('nan')):.3f}")
 else:
     lines.append(f"lora: exit {rc.get('lora', 'not run')}, no metrics")
+if "memory" in rc:
+    mem = json_line(read("memory.log"))
+    found["memory"] = bool(mem)
+    fit = lambda g: "n/a" if not g else (f"{g['first_gb']:.3f} -> {g['last_gb']:.3f} GiB, "
+                                         f"{g['mib_per_100_steps']:+.2f} MiB per 100 steps")
+    lines.append(f"memory: {mem['steps']} steps, fitted after step {mem['warmup']}: host "
+                 f"{fit(mem['host'])}; device {fit(mem['device'])}" if mem else
+                 f"memory: exit {rc['memory']}, no result")
 lines.append(f"runtime error lines: {errors}; wall {wall} s (this run)")
 ok = (bool(rc) and all(v == 0 for v in rc.values()) and not any(errors.values())
       and all(found[part] for part in rc))

@@ -883,6 +883,40 @@ def test_the_device_check_runs_the_tiny_task_in_a_dtype_the_engine_takes(tmp_pat
     assert cfg.rollout.dtype == cfg.model.param_dtype == npu_ops.engine_dtypes()[0]
 
 
+STAND_IN_BENCH = r'''#!/usr/bin/env bash
+# python for gpu_check.sh's memory part: bench/memory.py's arguments to $LOG and a result line
+if [ "$1" = bench/memory.py ]; then shift; printf '%s\n' "$@" >"$LOG"
+  echo '{"steps": 500, "warmup": 200, "nproc": 1, "out": "x", "host": {"first_gb": 1.5,'\
+       '"last_gb": 1.5123, "mib_per_100_steps": 0.37}, "device": {"first_gb": 0.25,'\
+       '"last_gb": 0.25, "mib_per_100_steps": -0.01}}'; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+'''
+
+
+def test_the_device_check_s_memory_part_runs_the_bench_and_reports_its_fit(tmp_path):
+    """gpu_check.sh's memory part (by name only: not in the default parts) runs bench/memory.py
+    on one rank with arguments the trainer takes, and its summary gives the bench's fit."""
+    import subprocess
+
+    import train_grpo
+
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_BENCH)
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_DTYPE"}
+    out = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True,
+                         text=True, env={**env, "OUT": str(tmp_path / "out"), "PARTS": "memory",
+                                         "PYTHON": str(python), "REAL_PYTHON": sys.executable,
+                                         "LOG": str(tmp_path / "args")})
+    args = (tmp_path / "args").read_text().split()
+    assert args[:6] == ["--steps", "500", "--warmup", "200", "--nproc", "1"], args
+    overrides = [a for a in args[6:] if a.startswith("--") and "=" in a]
+    train_grpo.resolve(train_grpo.load_config("configs/tiny_cpu.yaml", overrides))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("memory: 500 steps, fitted after step 200: host 1.500 -> 1.512 GiB, +0.37 MiB per "
+            "100 steps; device 0.250 -> 0.250 GiB, -0.01 MiB per 100 steps") in out.stdout, out.stdout
+
+
 def cann_documents_aiv(nodes: int, cards_per_node: int, parallel_communicators: bool) -> bool:
     """CANN 8.5.0's reference of HCCL_OP_EXPANSION_MODE (environment variables, envref_07_0096),
     Atlas A2's AIV row: inference on symmetric networks; "does not support several
