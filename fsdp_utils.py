@@ -524,6 +524,14 @@ class ShardAdamW(torch.optim.AdamW):
     torch 2.13 does neither. Measured in tests/workers/step_leaks.py and shard_adamw.py;
     docs/benchmarks.md has the numbers. DTensor's dispatch also costs host time per op."""
 
+    def __init__(self, params, **options):
+        other = sorted(k for k in ("amsgrad", "maximize", "fused", "capturable", "differentiable")
+                       if options.get(k))
+        if other:  # (the step below runs plain AdamW: these would be dropped without a word)
+            raise ValueError(f"ShardAdamW runs plain AdamW; {', '.join(other)} is not written "
+                             "for it. Fix: torch.optim.AdamW on the DTensors")
+        super().__init__(params, **options)
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "ShardAdamW.step takes no closure"
@@ -580,13 +588,13 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=params[0].device if params else "cpu")
-    norms = torch.stack(torch._foreach_norm([local(g) for g in grads], 2.0))
+    shards = [local(g) for g in grads]
+    norms = torch.stack(torch._foreach_norm(shards, 2.0))
     if isinstance(grads[0], DTensor):
         norms = norms ** 2
         dist.all_reduce(norms, group=grads[0].device_mesh.get_group())
         norms = norms ** 0.5
     norm = torch.linalg.vector_norm(norms, 2.0)
     if max_norm > 0:
-        torch._foreach_mul_([local(g) for g in grads],
-                            torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        torch._foreach_mul_(shards, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm

@@ -23,6 +23,12 @@ def test_shard_adamw_and_clip_equal_torch_s_on_dtensors_and_leave_nothing_growin
     assert out.count("SHARD_ADAMW_OK") == 2, out[-3000:]
 
 
+def test_shard_adamw_refuses_the_options_its_step_does_not_run():
+    params = torch.nn.Linear(2, 2).parameters()
+    with pytest.raises(ValueError, match=r"^ShardAdamW runs plain AdamW; amsgrad, fused is not "):
+        fsdp_utils.ShardAdamW(params, lr=1e-3, amsgrad=True, fused=True, foreach=None)
+
+
 @pytest.mark.parametrize("reshard", ["1", "0"], ids=["zero3", "zero2"])
 def test_offload_round_trip_is_exact(tiny_models, reshard):
     out = launch(["tests/workers/offload_parity.py", tiny_models["qwen2"], reshard])
