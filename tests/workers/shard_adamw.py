@@ -10,8 +10,8 @@ Prints SHARD_ADAMW_OK on each rank when every check passed.
 Usage: torchrun --nproc_per_node 2 tests/workers/shard_adamw.py
 """
 
-import collections
-import gc
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_utils
 from train_grpo import init_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers
+from growth import grown  # noqa: E402
 
 rank, world = init_distributed()
 mesh = init_device_mesh("cpu", (world,))
@@ -51,6 +54,10 @@ def step(m, o, s, clip, x) -> torch.Tensor:
     return norm
 
 
+def batch() -> torch.Tensor:
+    return torch.randn(4, 6, generator=data)
+
+
 def theirs(m):
     return torch.nn.utils.clip_grad_norm_(list(m.parameters()), cfg.grad_clip).full_tensor()
 
@@ -60,7 +67,7 @@ def ours_clip(m):
 
 
 for i in range(6):
-    x = torch.randn(4, 6, generator=data)
+    x = batch()
     a, b = step(ours, opt, sched, ours_clip, x), step(ref, ref_opt, ref_sched, theirs, x)
     assert torch.equal(a, b), (i, a, b)
     assert a > 3 * cfg.grad_clip, f"step {i}: the clip must bite (norm {a.item()})"
@@ -73,25 +80,9 @@ for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(mine, want), (name, key)
 
 
-def grown(m, o, s, clip) -> dict:
-    """The kinds of gc-tracked object that grew by 3 or more in each of two stretches of 3
-    steps (a step's own objects come and go; a kept thing grows every step)."""
-    def kinds():
-        gc.collect()
-        return collections.Counter(type(x).__qualname__ for x in gc.get_objects())
-    counts = [kinds()]
-    for _ in range(2):
-        for _ in range(3):
-            step(m, o, s, clip, torch.randn(4, 6, generator=data))
-        counts.append(kinds())
-    before, middle, after = counts
-    return {k: (middle[k] - before[k], after[k] - middle[k]) for k in after
-            if middle[k] - before[k] >= 3 and after[k] - middle[k] >= 3}
-
-
 print(f"rank {rank}: torch {torch.__version__}: torch's AdamW and clip on DTensors left growing: "
-      f"{grown(ref, ref_opt, ref_sched, theirs)}", flush=True)
-left = grown(ours, opt, sched, ours_clip)
+      f"{grown(lambda: step(ref, ref_opt, ref_sched, theirs, batch()))[0]}", flush=True)
+left, _ = grown(lambda: step(ours, opt, sched, ours_clip, batch()))
 assert not left, f"ShardAdamW's steps left growing: {left}"
 dist.barrier()
 print(f"rank {rank}: SHARD_ADAMW_OK")

@@ -9,6 +9,7 @@ Usage: python tests/workers/step_leaks.py TASK_DIR OUT_DIR"""
 
 import collections
 import gc
+import os
 import sys
 import weakref
 
@@ -16,16 +17,13 @@ import torch
 
 from train_grpo import load_config, setup, train_step
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers
+from growth import grown  # noqa: E402
+
 task_dir, out_dir = sys.argv[1:3]
 cfg = load_config("configs/tiny_cpu.yaml", [
     f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}", "--log.eval_every=0",
     "--grpo.prompts_per_step=8", "--train.steps=10", "--model.offload=on"])
-
-
-def kinds() -> collections.Counter:
-    gc.collect()
-    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
-
 
 with setup(cfg) as run:
     for _ in range(3):  # what fills once (the engine's, the allocator's) fills here
@@ -40,18 +38,8 @@ with setup(cfg) as run:
     alive = [type(r()).__qualname__ for r in refs if r() is not None]
     assert not alive, f"step 3's objects alive after step 4: {collections.Counter(alive)}"
     n, refs, alive = len(refs), None, None
-    counts = [kinds(), kinds()]  # (each count sees the Counter of the count before it)
-    for _ in range(2):
-        for _ in range(3):
-            train_step(run)
-        counts.append(kinds())
-    before, middle, after = counts[1:]
-    # a kind that grows by one object or more a step, in both stretches of 3 steps (a step's
-    #   own objects come and go: their number moves a little either way, not 3 each time)
-    grown = {k: (middle[k] - before[k], after[k] - middle[k]) for k in after
-             if middle[k] - before[k] >= 3 and after[k] - middle[k] >= 3}
-    assert not grown, f"objects that grew by 3 or more in steps 5-7 and again in 8-10: {grown}"
-    moved = max(abs(after[k] - before[k]) for k in set(after) | set(before))
+    found, moved = grown(lambda: train_step(run))
+    assert not found, f"objects that grew by 3 or more in steps 5-7 and again in 8-10: {found}"
     print(f"{n} objects of step 3 gone after step 4; from step 4 to step 10 no kind of object "
           f"grew a step at a time (the most any kind moved: {moved})")
 print("STEP_LEAKS_OK")
