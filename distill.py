@@ -18,7 +18,7 @@ logprobs are of softmax(logits / rollout.temperature); at rollout.top_p < 1 the 
 the nucleus it sampled from, the teacher's over its whole vocabulary. A_group is GRPO's advantage
 of the sample (grpo.score); reward_coef 0 is pure distillation, where the rewards are still
 computed and logged. The loss is grpo.grpo_loss, unchanged: its advantages are per token
-(grpo.Batch.adv), so the surrogate, the mismatch correction and the masks apply as to GRPO's;
+(batcher.Batch.adv), so the surrogate, the mismatch correction and the masks apply as to GRPO's;
 tokens an environment wrote get no loss, as always. The teacher's pass is one transform of the batch
 (`teach`, batcher.py), after the others.
 
@@ -45,8 +45,8 @@ from typing import Annotated
 
 import torch
 
+import batcher
 import fsdp_utils
-import grpo
 import logprobs
 import tracking
 from domains import Anything, BadInput, OneOf, Range
@@ -159,13 +159,14 @@ def token_advantages(samples: list, adv: list, teacher_logp: list, cfg: DistillC
     return out
 
 
-def teach(batch: grpo.Batch, teacher, cfg: DistillConfig, passes: grpo.Settings) -> grpo.Batch:
+def teach(batch: batcher.Batch, teacher, cfg: DistillConfig,
+          passes: logprobs.Passes) -> batcher.Batch:
     """A batch transform (batcher.py): the teacher's pass over the batch's samples; their
     per-token advantages (`token_advantages`, from the batch's group advantages); with
     distill.loss forward_top_k, the teacher's top k for the loss's forward KL
-    (grpo.TeacherTopK); and its metrics: the mean reverse KL to the teacher over the tokens the
+    (batcher.TeacherTopK); and its metrics: the mean reverse KL to the teacher over the tokens the
     model wrote (distill_kl, the sampled estimate in either mode), the pass's seconds and this
-    rank's teacher bytes. passes: how the pass runs (the update's grpo.Settings), over the
+    rank's teacher bytes. passes: how the pass runs (the update's), over the
     teacher's full softmax whatever rollout.top_p: the teacher samples nothing, and the KL is
     to its distribution (the student's side, the engine's logprob, is of the nucleus it
     sampled from). Every rank calls it (FSDP collectives)."""
@@ -175,13 +176,13 @@ def teach(batch: grpo.Batch, teacher, cfg: DistillConfig, passes: grpo.Settings)
         teacher_logp, top_logp, top_ids = logprobs.sample_top_k(
             teacher, samples, dataclasses.replace(passes, top_p=1.0), k, split=batch.split)
     seconds = time.perf_counter() - t
-    engine = grpo.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
+    engine = batcher.written(samples, [torch.tensor(s.logp, dtype=torch.float64)
                                     for s in samples])  # the model's tokens only
-    taught = grpo.written(samples, teacher_logp)
+    taught = batcher.written(samples, teacher_logp)
     kl = sum(float((e.double() - lp.double()).sum()) for e, lp in zip(engine, taught))
     tokens = sum(len(e) for e in engine)
     return dataclasses.replace(
         batch, adv=token_advantages(samples, batch.adv, teacher_logp, cfg),
-        teacher=grpo.TeacherTopK(top_ids, top_logp, cfg.coef) if k else None,
+        teacher=batcher.TeacherTopK(top_ids, top_logp, cfg.coef) if k else None,
         metrics={**batch.metrics, "distill_kl": tracking.Mean(kl, tokens),
                  "teacher_time_s": seconds, "teacher_gb": shard_bytes(teacher) / 2**30})

@@ -10,7 +10,7 @@ finite.
   timeout 30; 2.13's torchrun takes `--shutdown-timeout` or TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
   2.10 and 2.11 nothing): a step and a checkpoint that take longer need the signal sent to the
   ranks alone, or the longer timeout.
-- **A non-finite optimizer step**: grpo.update does not take it (grpo.nonfinite); `count`
+- **A non-finite optimizer step**: trainer.update does not take it (trainer.nonfinite); `count`
   keeps the run's count of such steps in a row and stops the run at optim.max_nonfinite with
   one line (`NonFinite`).
 """
@@ -32,7 +32,7 @@ class NonFinite(RuntimeError):
 
 
 def count(streak: int, skipped: list, step: int, limit: int) -> int:
-    """The non-finite optimizer steps in a row after a step's (`skipped`: grpo.update's verdict
+    """The non-finite optimizer steps in a row after a step's (`skipped`: trainer.update's verdict
     of each of its optimizer steps, None for one taken), from `streak` before it; raises
     NonFinite, one line naming the step and the quantity, once it reaches `limit`."""
     for what in skipped:

@@ -1,12 +1,14 @@
 """The model's log-probabilities of sampled tokens, and the loss's gradient in the same pass.
 
-grpo.py states the algorithm; this file runs the model for it. A micro-batch is a list of samples
-(prompt_ids, response_ids); `micro_batch` lays it out on the host (one packed row, or a padded
-batch), `to_device` copies it over, and `run` calls the Hugging Face model once with its output
-layer replaced, so that the model returns, in place of its (B, T, vocab) logits:
-- without a loss: the (K,) fp32 logprobs of the K response tokens (old-policy and reference
-  passes, under no_grad);
-- with a loss: the loss itself, a scalar, whose gradient with respect to the final hidden states
+grpo.py states the algorithm and trainer.py applies it; this file runs the model for them, with
+settings of its own (`Passes`). A micro-batch is a list of samples (prompt_ids, response_ids);
+`micro_batch` lays it out on the host (one packed row, or a padded batch), `to_device` copies it
+over, and `run` calls the Hugging Face model once with its output layer replaced, so that the
+model returns, in place of its (B, T, vocab) logits:
+- without an objective: the (K,) fp32 logprobs of the K response tokens (old-policy and
+  reference passes, under no_grad);
+- with one (`Objective`: a loss function of the tokens' logprobs and its per-token inputs as
+  tensors): the loss itself, a scalar, whose gradient with respect to the final hidden states
   and the output layer's weight was already computed in the forward (`_FusedOutputLayer`).
 
 The output layer runs only on the K rows that predict a response token, `chunk` rows at a time.
@@ -14,7 +16,8 @@ Each chunk's logits exist once, in fp32 for the length of one pass, which yields
 tokens' logprob, the entropy of the sampling distribution softmax(logits / T) (at top_p < 1, that
 over the nucleus vLLM's sampler keeps, renormalised: _outside_nucleus) and, because the loss is a
 sum of per-token terms, the gradient of the loss with respect to each token's logprob
-(dlogp = dL/dlogp, from the loss's own code, by autograd on that (c,) vector), and with it the
+(dlogp = dL/dlogp, from the loss's own code, by autograd on that (c,) vector: the one call a
+chunk makes to code outside this file), and with it the
 gradients of the logits, of the hidden states and of the weight. Backward recomputes nothing: it
 scales the stored gradients by its incoming gradient. The result leaves through the model's
 forward, where FSDP2's hooks see it (the output weight is gathered for the forward and its
@@ -252,13 +255,44 @@ def to_device(x, device):
 
 
 @dataclass(frozen=True)
-class Pass:
-    """How `run` goes over the output layer: the sampling distribution, softmax(logits /
-    temperature) over the nucleus that vLLM's sampler keeps at top_p < 1, and the rows of
-    logits a chunk holds."""
-    temperature: float
-    top_p: float
-    chunk: int
+class Passes:
+    """How the model's passes run: the sampling distribution whose logprobs they take,
+    softmax(logits / temperature) over the nucleus that vLLM's sampler keeps at top_p < 1 (the
+    engine's: rollout.temperature, rollout.top_p), the output layer's rows a chunk holds, the
+    micro-batches (`micro_batch_plan`: tokens per forward, packed or padded) and where."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    chunk: int = 1024  # output-layer rows at a time: at most (chunk x vocab) fp32 logits
+    micro_batch_tokens: int = 8192  # tokens per forward on one rank (padding counts unpacked)
+    pack: bool = True  # a micro-batch is one row of samples end to end, no padding
+    pad_id: int = 0  # the padding token (padded micro-batches)
+    device: object = "cpu"  # where the model computes
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What `run` minimises over a micro-batch's K response tokens: a loss function and data.
+    loss(logp (c,), terms[k]) -> (the loss of those c tokens, a count): a sum of per-token terms
+    (grpo.grpo_loss), which the pass differentiates with respect to logp chunk by chunk; terms:
+    its per-token inputs (anything sliced as terms[k], K rows); sequences(logp (K,)) -> terms:
+    where the loss needs every token's logp of this forward before any gradient (a sequence's
+    ratio), the terms completed from them, once a micro-batch, after one more pass over the
+    vocabulary; entropy_weights (K,) b: the loss gains -sum b H, H each token's sampling
+    distribution's entropy; top_ids, top_logp (K, k) and top_coef (K,): the forward KL from a
+    target known by its top k tokens (top_k_forward_kl), weighed by top_coef."""
+    loss: object
+    terms: object
+    sequences: object = None
+    entropy_weights: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logp: torch.Tensor | None = None
+    top_coef: torch.Tensor | None = None
+
+    def __getitem__(self, k: slice) -> "Objective":
+        """The tokens k's (a sequence-parallel rank's: MicroBatch.mine)."""
+        return dataclasses.replace(self, terms=self.terms[k], **{
+            name: getattr(self, name)[k] for name in ("entropy_weights", "top_ids", "top_logp",
+                                                      "top_coef") if getattr(self, name) is not None})
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -313,7 +347,7 @@ def _entropies(logp_all, p) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logp_pass(h, weight, bias, targets, how: Pass, top_k: int = 0,
+def _logp_pass(h, weight, bias, targets, how: Passes, top_k: int = 0,
                entropy: bool = False) -> dict:
     """(K, H), (K,) targets -> {"logp": (K,) fp32 log softmax(logits / T) of the targets} (T:
     how.temperature), over the nucleus at how.top_p < 1 (_outside_nucleus, renormalised as
@@ -366,32 +400,33 @@ def top_k_forward_kl(logp_all, p, ids, target, coef):
     return kl @ coef.to(kl.dtype), g.mul_(coef.to(g.dtype)[:, None])
 
 
-def _chunk_grad(h, weight, bias, targets, written, how: Pass, loss, rows: slice):
+def _chunk_grad(h, weight, bias, targets, written, how: Passes, objective: Objective,
+                rows: slice):
     """One pass over a chunk's logits. Returns the (c,) logp of the targets, the entropy sum of
     the sampling distribution over the chunk's rows where `written` (c,) is 1, the chunk's loss
-    and clip count from loss(logp, rows) (plus loss.dense's), and dL/dlogits (c, V) in the
+    and count from objective.loss (plus its teacher term's), and dL/dlogits (c, V) in the
     compute dtype. The sampling distribution (how): softmax(logits / T), and at top_p < 1 that over
     the nucleus vLLM's sampler keeps (_outside_nucleus), renormalised, 0 elsewhere; the logp
-    and the entropy are of it. loss.dense(logp_all, p, rows) is a term of the whole
-    distribution (c, V), of the full softmax whatever top_p (a teacher's token outside the
-    nucleus would make a KL to it infinite): its loss and its gradient with respect to
-    logits / T (top_k_forward_kl), or (0, None). loss.entropy_weights(rows): (c,) weights b of
-    an entropy bonus, or None: the loss gains -sum b H over the rows, H the sampling
-    distribution's entropy, its gradient with the logprobs' (no more (c, V) buffers)."""
-    temperature = how.temperature
+    and the entropy are of it. The objective's top-k term is of the whole distribution (c, V),
+    of the full softmax whatever top_p (a teacher's token outside the nucleus would make a KL
+    to it infinite): its loss and its gradient with respect to logits / T (top_k_forward_kl).
+    Its entropy weights b: the loss gains -sum b H over the rows, H the sampling distribution's
+    entropy, its gradient with the logprobs' (no more (c, V) buffers)."""
+    temperature, o = how.temperature, objective
     z = _logits(h, weight, bias, temperature)  # (c, V), ours to overwrite
     outside = (_outside_nucleus(z, how.top_p, targets) if how.top_p < 1
                else None)  # (c, V) bool
     logp_all = z.log_softmax(-1)  # (c, V)
     p = torch.exp(logp_all, out=z)  # (c, V) the full softmax, in z's memory
-    extra, g = loss.dense(logp_all, p, rows)
+    extra, g = ((0.0, None) if o.top_ids is None else top_k_forward_kl(
+        logp_all, p, o.top_ids[rows], o.top_logp[rows], o.top_coef[rows]))
     if outside is not None:  # the nucleus: p_S = p / p(S) on S, 0 off it
         _renormalise(logp_all, p, outside)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (c,)
     plogp = logp_all.mul_(p)  # p log p, in logp_all (0 off the nucleus)
     rows_h = -plogp.sum(1)  # (c,) each row's entropy
     entropy = rows_h @ written.to(z.dtype)
-    bonus = loss.entropy_weights(rows)  # (c,) or None: the loss gains -sum bonus x H
+    bonus = None if o.entropy_weights is None else o.entropy_weights[rows]  # -sum bonus x H
     if bonus is not None:  # dH/dz = -p (log p + H): d(-b H)/dz = b (p log p + p H), in place
         bonus = bonus.to(z.dtype)
         extra = extra - rows_h @ bonus
@@ -399,7 +434,7 @@ def _chunk_grad(h, weight, bias, targets, written, how: Pass, loss, rows: slice)
     del logp_all, plogp
     with torch.enable_grad():  # the loss's own code (grpo.grpo_loss), on a (c,) leaf
         leaf = logp.detach().requires_grad_()
-        value, clipped = loss(leaf, rows)
+        value, clipped = o.loss(leaf, o.terms[rows])
         (dlogp,) = torch.autograd.grad(value, leaf, materialize_grads=True)  # dL/dlogp
     # logp = z[t] - logsumexp_S(z) with z = logits / T and S the kept set (the whole vocabulary
     # at top_p 1; a selection, constant between its jumps: no gradient through it):
@@ -421,14 +456,16 @@ class _FusedOutputLayer(torch.autograd.Function):
     in fp32 and is cast to the weight's dtype once; a frozen weight or bias gets none."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, mb: MicroBatch, how: Pass, loss, out: dict):
+    def forward(ctx, hidden, weight, bias, mb: MicroBatch, how: Passes, objective: Objective,
+                out: dict):
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
         h = flat.index_select(0, mb.rows)  # (K, H): only rows that predict a response token
         written = mb.mine(mb.flat(mb.mask))  # (K,): this rank's tokens
-        if loss.whole:  # the loss needs every token's logp before any gradient
+        if objective.sequences is not None:  # every token's logp first, without gradient
             logp = _logp_pass(h, weight, bias, mb.targets, how)["logp"]
-            loss = loss.with_whole(logp if mb.local is None  # sequence parallel: every rank's
-                                   else seq_parallel.gather_tokens(logp, mb.bounds, mb.split))
+            objective = dataclasses.replace(objective, terms=objective.sequences(
+                logp if mb.local is None  # sequence parallel: every rank's
+                else seq_parallel.gather_tokens(logp, mb.bounds, mb.split)))
         f32 = {"dtype": _wide(weight.dtype), "device": weight.device}
         grad_hidden = torch.zeros_like(flat)
         # a frozen output layer (adapters) gets no gradient: a third of its FLOPs saved
@@ -438,7 +475,7 @@ class _FusedOutputLayer(torch.autograd.Function):
         for s in range(0, h.shape[0], how.chunk):
             k = slice(s, s + how.chunk)
             logp, entropy, value, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
-                                                            written[k], how, loss, k)
+                                                            written[k], how, objective, k)
             grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
@@ -462,38 +499,34 @@ class _FusedOutputLayer(torch.autograd.Function):
         return (*(None if x is None else x.mul_(grad_loss) for x in grads),) + (None,) * 4
 
 
-def run(model, mb: MicroBatch, temperature: float, chunk: int, loss=None, top_k: int = 0,
-        top_p: float = 1.0, entropy: bool = False) -> dict:
+def run(model, mb: MicroBatch, how: Passes, objective: Objective | None = None,
+        top_k: int = 0, entropy: bool = False) -> dict:
     """One forward of the micro-batch `mb` (on the device) through the model. Returns "logp", the
-    (K,) fp32 logprobs of the response tokens under softmax(logits / temperature), over the
-    nucleus that vLLM's sampler keeps at top_p < 1, renormalised (_outside_nucleus) (detached);
-    without a loss and with top_k > 0, also "top_logp" and "top_ids" (K, k), each row's k most
-    likely tokens, and with entropy, "entropy" (K,), each token's distribution's. With a loss
-    (grpo.MicroLoss: loss(logp (c,), rows: slice of K) -> (loss, clip count), a sum of
-    per-token terms): also "loss" (0-dim; its backward() runs the model's backward), "entropy"
-    and "clipped" (0-dim sums over the K tokens, on the device). Where loss.whole, the loss
-    first takes every token's logp (no gradient; loss.with_whole returns the completed loss)
-    before the gradient pass: one more pass over the vocabulary, for a loss that needs whole
-    sequences first. loss.dense: a term of each token's whole distribution;
-    loss.entropy_weights: an entropy bonus (_chunk_grad). Sequence parallel (mb.local): the
-    sums and the loss are this rank's tokens', the logprobs every token's (one all-gather in
-    the group)."""
-    head, out, how = model.get_output_embeddings(), {}, Pass(temperature, top_p, chunk)
+    (K,) fp32 logprobs of the response tokens under softmax(logits / how.temperature), over the
+    nucleus that vLLM's sampler keeps at how.top_p < 1, renormalised (_outside_nucleus)
+    (detached); without an objective and with top_k > 0, also "top_logp" and "top_ids" (K, k),
+    each row's k most likely tokens, and with entropy, "entropy" (K,), each token's
+    distribution's. With an objective (this rank's tokens'): also "loss" (0-dim; its backward()
+    runs the model's backward), "entropy" and "clipped" (0-dim sums over the K tokens of the
+    entropy and of the loss's count, on the device). Sequence parallel (mb.local): the sums and
+    the loss are this rank's tokens', the logprobs every token's (one all-gather in the
+    group)."""
+    head, out = model.get_output_embeddings(), {}
 
     def forward(self, hidden):  # (B, T, H) in place of (B, T, V) logits
-        if loss is None:
+        if objective is None:
             flat = hidden.reshape(-1, hidden.shape[-1])
             out.update(_logp_pass(flat.index_select(0, mb.rows), self.weight, self.bias,
                                   mb.targets, how, top_k, entropy))
             return out["logp"]
-        return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, how, loss, out)
+        return _FusedOutputLayer.apply(hidden, self.weight, self.bias, mb, how, objective, out)
 
     head.forward = types.MethodType(forward, head)
     try:
         result = model(**mb.inputs, use_cache=False)
     finally:
         del head.forward
-    if loss is not None:
+    if objective is not None:
         out["loss"] = result.logits
     if mb.local is not None:  # sequence parallel: every token's, from the group's ranks
         for name in ("logp", "top_logp", "top_ids", "entropy"):
@@ -547,40 +580,40 @@ def per_sample(found: list, n: int) -> list:
 
 
 @torch.no_grad()
-def sample_logprobs(model, samples: list, cfg, replay: bool = False, split=None) -> list:
+def sample_logprobs(model, samples: list, how: Passes, replay: bool = False,
+                    split=None) -> list:
     """Each sample's response-token logprobs under `model` (old or reference policy): a list of
-    (n_i,) fp32 CPU tensors. cfg: grpo.Settings (its grpo section's micro_batch_tokens, pack and
-    logprob_chunk; pad_id, device, temperature, top_p); replay and split: sample_pass's."""
-    return sample_pass(model, samples, cfg, replay=replay, split=split)["logp"]
+    (n_i,) fp32 CPU tensors; replay and split: sample_pass's."""
+    return sample_pass(model, samples, how, replay=replay, split=split)["logp"]
 
 
 @torch.no_grad()
-def sample_top_k(model, samples: list, cfg, k: int, replay: bool = False, split=None) -> tuple:
+def sample_top_k(model, samples: list, how: Passes, k: int, replay: bool = False,
+                 split=None) -> tuple:
     """sample_logprobs, and at each response token the k most likely tokens too: (logprobs,
     their (n_i, k) logprobs, their (n_i, k) ids), per-sample lists of CPU tensors (None at
     k 0)."""
-    found = sample_pass(model, samples, cfg, k, replay=replay, split=split)
+    found = sample_pass(model, samples, how, k, replay=replay, split=split)
     return found["logp"], found.get("top_logp"), found.get("top_ids")
 
 
 @torch.no_grad()
-def sample_pass(model, samples: list, cfg, top_k: int = 0, entropy: bool = False,
+def sample_pass(model, samples: list, how: Passes, top_k: int = 0, entropy: bool = False,
                 replay: bool = False, split=None) -> dict:
     """One pass without gradient over the samples: {"logp": each sample's (n_i,) fp32 response-
     token logprobs}, with top_k > 0 "top_logp" and "top_ids" ((n_i, k) each: every token's k
     most likely tokens), with entropy "entropy" ((n_i,): its sampling distribution's); lists of
-    CPU tensors, each from one read back. cfg: grpo.Settings. replay: a mixture of experts
+    CPU tensors, each from one read back. replay: a mixture of experts
     routes by the samples' routing where they carry it (moe.routing; the actor's passes, not a
     reference's). split: the seq_parallel.Split whose ranks hold these same samples, each
     running its share of every row (a model built with model.sp_size), or None."""
     model.eval()
-    g, found = cfg.grpo, {}
-    for idx in micro_batch_plan(samples, g.micro_batch_tokens, g.pack, model.config, split):
+    found = {}
+    for idx in micro_batch_plan(samples, how.micro_batch_tokens, how.pack, model.config, split):
         batch = [samples[i] for i in idx] or [DUMMY]
-        mb = to_device(micro_batch(batch, cfg.pad_id, g.pack, model.config, split), cfg.device)
+        mb = to_device(micro_batch(batch, how.pad_id, how.pack, model.config, split), how.device)
         with moe.routing(model, mb.routing if replay else None):
-            out = run(model, mb, cfg.temperature, g.logprob_chunk, top_k=top_k, top_p=cfg.top_p,
-                      entropy=entropy)
+            out = run(model, mb, how, top_k=top_k, entropy=entropy)
         for name, x in out.items():
             found.setdefault(name, []).append((idx, x, mb.lengths))
     return {name: per_sample(x, len(samples)) for name, x in found.items()}

@@ -47,7 +47,9 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Protocol
 
+import grpo
 import records
 import rollout
 from tracking import Max, Mean, Sum
@@ -55,21 +57,43 @@ from tracking import Max, Mean, Sum
 log = logging.getLogger("grpo")
 
 
+class Source(Protocol):
+    """What PartialRollout asks of where its groups come from (`Streams`, agents.PartialAgents).
+    A group: a list of group_size episodes, the source's own objects."""
+    leads: bool  # this rank decides; else it takes the leading rank's answers (agree)
+    keeps: bool  # groups are plain data: a checkpoint keeps them, a step run again restarts
+    made: int  # the tokens generated in the step so far
+
+    def begin(self, step: int) -> None: ...  # a step's collection starts
+    def start(self, examples: list, first: int) -> list: ...  # a group per example, drawn first..
+    def done(self, group: list) -> bool: ...  # all its episodes are over
+    def oldest(self, group: list, version: int) -> int: ...  # its oldest model token's version
+    def drop(self, groups: list) -> None: ...  # they leave, too stale: end what they run
+    def generate(self, groups: list, need: int, round_index: int) -> object: ...  # a round
+    def generated(self, groups: list) -> records.Generated: ...  # complete groups as samples
+    def exhausted(self, groups: list) -> bool: ...  # draws spent: whether these end the step
+    def agree(self, answer): ...  # take's answer, the leading rank's, on every rank of the group
+    def held(self, groups: list) -> int: ...  # the model tokens they hold
+    def state(self, groups: list) -> list: ...  # as a checkpoint keeps them
+    def restore(self, states: list) -> list: ...  # back from `state`'s
+    def resumed(self, carried: int | None) -> None: ...  # a resume's log line
+    def close(self) -> None: ...  # work in flight ended
+
+
 class PartialRollout:
     """An engine group's groups in flight, carried from step to step (lists of group_size
     episodes, oldest first), and the loop of a step (`collect`): the refill, the staleness drop,
     generation until the step's groups are complete, their scoring as they complete; the
-    metrics and a checkpoint's state. How groups start and are generated is its source's:
-    `Streams` (episodes.EpisodeRunner's episodes, in rounds of engine.stream) or
+    metrics and a checkpoint's state. How groups start and are generated is its source's
+    (`Source`): `Streams` (episodes.EpisodeRunner's episodes, in rounds of engine.stream) or
     agents.PartialAgents (agents whose calls the engine serves). cfg: the run's config tree (its
     rollout.partial and grpo sections); group: the rollout.EngineGroup; prompts[i]: the i-th
     prompt of the shuffled data, of which this engine group takes every group.count-th from its
-    index; score(generated) -> (records.Rewards, keep per group): the sampler's scoring of
-    finished groups."""
+    index; scorer: rewards.Scorer; scoring: grpo.Scoring, what finished groups are judged by."""
 
-    def __init__(self, cfg, group, prompts, source, score):
+    def __init__(self, cfg, group, prompts, source: Source, scorer, scoring):
         self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
-        self.source, self.score = source, score
+        self.source, self.scorer, self.scoring = source, scorer, scoring
         self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
         self.group_size = cfg.grpo.group_size
         self.in_flight = math.ceil(self.share * self.cfg.oversample)
@@ -102,8 +126,9 @@ class PartialRollout:
             # a rank that does not lead holds no groups: it gets what the leading rank took
             piece, over = self.source.agree(self.take(need, drawn) if self.source.leads else None)
             if piece is not None:
-                rewards, keep = self.score(piece)
-                pieces.append((piece, rewards, keep))
+                rewards = self.scorer.score(piece.texts, piece.examples, piece.failed)
+                dropped, keep = grpo.judge(piece, rewards, self.scoring)
+                pieces.append((piece, rewards, dropped, keep))
                 kept, env = kept + sum(keep), env + piece.env
                 seconds["reward"] += time.perf_counter() - t
             if kept >= self.share or over:

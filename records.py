@@ -118,6 +118,7 @@ class Rollout:
     rewards: list[float]
     by_name: dict[str, list[float]]
     reward_failed: list[bool]
+    dropped: list[bool]  # out of the loss: a failed environment or reward call (grpo.judge)
     keep: list[bool]  # per group: may go into the update (dynamic sampling drops the constant)
     kept: list[int]  # per engine group: its groups kept
     env: EnvCalls  # the environment calls of the step
@@ -129,9 +130,10 @@ class Rollout:
     @classmethod
     def join(cls, pieces: list, kept: list[int], env: EnvCalls, rounds: int,
              seconds: dict) -> "Rollout":
-        """The rollout of `pieces`, [(Generated, Rewards, keep per group)] in order."""
-        gen = [g for g, _, _ in pieces]
-        rew = [r for _, r, _ in pieces]
+        """The rollout of `pieces`, [(Generated, Rewards, dropped per sample, keep per group)]
+        in order (grpo.judge's)."""
+        gen = [g for g, *_ in pieces]
+        rew = [r for _, r, *_ in pieces]
         names = rew[0].by_name if rew else {}
         return cls(samples=[s for g in gen for s in g.samples],
                    examples=[x for g in gen for x in g.examples],
@@ -141,7 +143,8 @@ class Rollout:
                    rewards=[x for r in rew for x in r.total],
                    by_name={n: [x for r in rew for x in r.by_name[n]] for n in names},
                    reward_failed=[f for r in rew for f in r.failed],
-                   keep=[k for _, _, keep in pieces for k in keep], kept=list(kept), env=env,
+                   dropped=[d for *_, dropped, _ in pieces for d in dropped],
+                   keep=[k for *_, keep in pieces for k in keep], kept=list(kept), env=env,
                    reward_errors=sum(r.errors for r in rew),
                    reward_timeouts=sum(r.timeouts for r in rew), rounds=rounds,
                    seconds=dict(seconds))

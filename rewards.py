@@ -20,6 +20,7 @@ from math import isfinite
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 import plugins
+import records
 from domains import Anything, Items, Range
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -207,18 +208,20 @@ class Scorer:
         self.worker = plugins.Worker(self.specs, resolve, as_reward, cfg.timeout_s, "reward",
                                      cfg.workers, cfg.concurrency, local=PURE)
 
-    def score(self, texts: list[str], examples: list[dict], failed: list[bool] = ()) -> dict:
-        """{"reward": weighted sum per sample, "by_name": {spec: unweighted values per sample},
-        "errors": calls that failed, "timeouts": calls cut at timeout_s, "failed": per sample,
-        whether one of its calls failed or was cut}; those calls score 0, and so does every
-        sample marked `failed` (an episode whose environment failed)."""
+    def score(self, texts: list[str], examples: list[dict],
+              failed: list[bool] = ()) -> records.Rewards:
+        """The reward functions' answer (records.Rewards): per sample their weighted sum and each
+        one's unweighted value, whether one of its calls failed or was cut, and the calls that
+        failed and were cut; those calls score 0, and so does every sample marked `failed` (an
+        episode whose environment failed)."""
         if len(texts) != len(examples):
             raise ValueError(f"Scorer.score: {len(texts)} texts but {len(examples)} examples")
         if self.group is not None:
             return self.group.one_answer(lambda: self._score(texts, examples, failed))
         return self._score(texts, examples, failed)
 
-    def _score(self, texts: list[str], examples: list[dict], failed: list[bool]) -> dict:
+    def _score(self, texts: list[str], examples: list[dict],
+               failed: list[bool]) -> records.Rewards:
         n, nf = len(texts), len(self.specs)
         outcomes = self.worker.run([(j, (text, example)) for text, example in zip(texts, examples)
                                     for j in range(nf)])  # call k: sample k // nf, function k % nf
@@ -228,10 +231,10 @@ class Scorer:
                 values[k % nf][k // nf] = v
         reward = [sum(w * vals[i] for w, vals in zip(self.weights, values)) for i in range(n)]
         bad = [not isinstance(v, float) for v in outcomes]
-        return {"reward": reward, "by_name": dict(zip(self.specs, values)),
-                "failed": [any(bad[i * nf:(i + 1) * nf]) for i in range(n)],
-                "errors": sum(v is plugins.Failed for v in outcomes),
-                "timeouts": sum(v is TimeoutError for v in outcomes)}
+        return records.Rewards(reward, dict(zip(self.specs, values)),
+                               [any(bad[i * nf:(i + 1) * nf]) for i in range(n)],
+                               sum(v is plugins.Failed for v in outcomes),
+                               sum(v is TimeoutError for v in outcomes))
 
     def close(self) -> None:
         self.worker.close()

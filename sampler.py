@@ -11,8 +11,9 @@ behind the same call:
   samples from step to step and stops a step's generation early, its groups episodes in rounds
   (partial.Streams) or, with env.kind agent, agents whose calls are carried
   (agents.PartialAgents).
-Either way it scores each finished group as it comes (`score`: its rewards, and whether it may
-train) and returns one records.Rollout, made in one place (records.Rollout.join).
+Either way it scores each finished group as it comes (its rewards, and grpo.judge: which samples
+drop out and whether it may train) and returns one records.Rollout, made in one place
+(records.Rollout.join).
 
 The two forms stay apart: the rounds generate the G samples of a prompt as one request of n=G
 (engine.generate), whose samples differ from G requests of one (engine.stream), so that one form
@@ -37,20 +38,18 @@ import rollout
 class Sampler:
     """cfg: the run's config tree; engine: rollout.Engine; runner: episodes.EpisodeRunner; scorer:
     rewards.Scorer; prompts: data.Shuffled (prompts[i], the i-th drawn); group:
-    rollout.EngineGroup."""
+    rollout.EngineGroup; scoring: grpo.Scoring, what a finished group is judged by."""
 
-    def __init__(self, cfg, engine, runner, scorer, prompts, group):
+    def __init__(self, cfg, engine, runner, scorer, prompts, group, scoring):
         self.cfg, self.engine, self.runner, self.scorer = cfg, engine, runner, scorer
-        self.prompts, self.group = prompts, group
-        # an episode's length limit (the overlong penalty's), and what a failed call costs
-        self.limit = cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
-        self.drop_failed = cfg.env.on_failure == "drop"
+        self.prompts, self.group, self.scoring = prompts, group, scoring
         self.step, self.start, self.drawn = 0, 0, 0  # the step collected last; data positions
         self.partial = None
         if cfg.rollout.partial.enabled:
             kind = agents.PartialAgents if cfg.env.kind == "agent" else partial.Streams
             self.partial = partial.PartialRollout(cfg, group, prompts,
-                                                  kind(cfg, group, engine, runner), self.score)
+                                                  kind(cfg, group, engine, runner), scorer,
+                                                  scoring)
 
     def collect(self, step: int) -> records.Rollout:
         """Step `step`'s rollout (module docstring)."""
@@ -77,7 +76,8 @@ class Sampler:
             seconds["gen"] += time.perf_counter() - t
             t = time.perf_counter()
             with torch.profiler.record_function("step:reward"):
-                pieces.append((generated, *self.score(generated)))
+                rewards = self.scorer.score(generated.texts, generated.examples, generated.failed)
+                pieces.append((generated, rewards, *grpo.judge(generated, rewards, self.scoring)))
             seconds["reward"] += time.perf_counter() - t
             kept = self.group.per_engine(sum(k for *_, keep in pieces for k in keep))
             if (not g.dynamic_sampling or sum(kept) >= g.prompts_per_step
@@ -87,18 +87,6 @@ class Sampler:
         env = sum((p.env for p, *_ in pieces), records.EnvCalls())
         return records.Rollout.join(pieces, kept, env, len(pieces), seconds)
 
-    def score(self, generated: records.Generated) -> tuple[records.Rewards, list[bool]]:
-        """Finished groups' rewards (a failed episode's are 0), and per group whether it may go
-        into the update (grpo.keep_groups: with dynamic sampling, not if it has no signal)."""
-        out = self.scorer.score(generated.texts, generated.examples, generated.failed)
-        rewards = records.Rewards(out["reward"], out["by_name"], out["failed"], out["errors"],
-                                  out["timeouts"])
-        dropped = grpo.dropped_samples(generated.failed, rewards.failed, self.drop_failed)
-        keep = grpo.keep_groups(rewards.total, rewards.by_name,
-                                [len(s.response_ids) for s in generated.samples], dropped,
-                                self.limit, self.cfg.grpo)
-        return rewards, keep
-
     def play(self, examples: list, n: int, greedy: bool = False) -> records.Generated:
         """n episodes of each of `examples` outside any step (evaluation.run's held-out
         prompts): no data drawn, nothing carried, the engine's current weights."""
@@ -106,7 +94,7 @@ class Sampler:
 
     def rewards(self, texts: list, examples: list, failed: list) -> list[float]:
         """The rewards of finished episodes (`play`'s), a failed one's 0."""
-        return self.scorer.score(texts, examples, failed)["reward"]
+        return self.scorer.score(texts, examples, failed).total
 
     def close(self) -> None:
         """Stop the reward and environment workers (the engine is the run's to shut down)."""

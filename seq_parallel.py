@@ -7,7 +7,7 @@ This module holds `attention(inner, group)`, a transformers attention function a
 (packed_sdpa, npu_ops.fusion_attention), the all-to-alls with their gradients, the groups
 (`split`), and the batch's gather (`gather_batch`: a group's ranks train the union of their
 samples). Each rank's share of a row is logprobs.split_row's; the loss's sums over the group,
-grpo's (grpo.Batch.split).
+grpo's (batcher.Batch.split).
 """
 
 import dataclasses

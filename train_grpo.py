@@ -13,10 +13,11 @@ Step it (a notebook, world size 1)
 One step (`train_step`): (1) collect: in the engine's turn (weight_sync.EngineTurn: the actor's
 weights pushed in, the engine asleep again after), `group_size` samples per prompt and their
 rewards (sampler.py); (2) score: group-normalised advantages and the samples the update takes
-(grpo.score); (3) the batch: this rank's share of them, through each feature's transform
-(batcher.py); (4) update: the actor on it (grpo.update, whose per-token objective is
-grpo.grpo_loss); (5) log, and eval on schedule. The algorithm, what its defaults amount to and
-its variants live in grpo.py; the engine in rollout.py; episodes and environments in
+(grpo.score); (3) the batch: this rank's share of them, through each feature's transform and
+the passes without gradient (batcher.py); (4) update: the actor on it (trainer.update, whose
+per-token objective is grpo.grpo_loss); (5) log, and eval on schedule. The algorithm's formulas,
+what its defaults amount to and its variants live in grpo.py, the update's loop in trainer.py;
+the engine in rollout.py; episodes and environments in
 episodes.py; the actor in fsdp_utils.py; checkpoints in checkpoint.py; everything
 device-specific in npu_ops.py; config parsing in config.py, which runs each section's own checks.
 """
@@ -59,6 +60,7 @@ import seq_parallel
 import snapshot
 import tiny_task
 import tracking
+import trainer
 import weight_sync
 from data import DataConfig
 from distill import DistillConfig
@@ -131,8 +133,9 @@ class Run:
     opt: torch.optim.Optimizer = None
     sched: object = None
     split: seq_parallel.Split = None  # the sequence-parallel group (model.sp_size > 1), or None
-    settings: grpo.Settings = None  # what the update takes of the run besides its batch
-    batcher: "batcher.Batcher" = None  # a scored rollout -> this rank's grpo.Batch
+    scoring: grpo.Scoring = None  # how a rollout is scored: the sampler's and grpo.score's
+    settings: trainer.Settings = None  # what the update takes of the run besides its batch
+    batcher: "batcher.Batcher" = None  # a scored rollout -> this rank's batcher.Batch
     trainable: int = 0  # the actor's parameters that train
     flops: tuple = (0, 0)  # the update's FLOPs per token and per output row (flops_per_token)
     turn: weight_sync.EngineTurn = None  # the engine's turn: push, wake, sleep, memory moves
@@ -326,8 +329,11 @@ def build(run: Run) -> None:
                                 lora=cfg.model.lora,  # with adapters: LoRA on
                                 routing=cfg.model.routing_replay)
     run.engine.sleep()
+    run.scoring = grpo.Scoring(cfg.grpo, cfg.env.max_tokens if cfg.env.name
+                               else cfg.rollout.max_new_tokens, cfg.env.on_failure == "drop",
+                               tuple(scorer.weights))
     run.sampler = sampler.Sampler(cfg, run.engine, runner, scorer,
-                                  data.Shuffled(examples, cfg.train.seed), run.group)
+                                  data.Shuffled(examples, cfg.train.seed), run.group, run.scoring)
     build_trainer(run)
     run.turn = weight_sync.EngineTurn(run.actor, run.opt, run.engine,
                                       offload_on=offload.enabled(cfg.model.offload))
@@ -345,7 +351,7 @@ def build(run: Run) -> None:
 def build_trainer(run: Run) -> None:
     """The trainer's parts: the actor (its initial adapters drawn from train.seed), its reference
     and teacher, the optimizer and schedule, and what the update takes besides them: its
-    settings (grpo.Settings) and the batch's transforms (batch_transforms)."""
+    settings (trainer.Settings) and the batch's transforms (batch_transforms)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg = run.cfg
@@ -368,13 +374,12 @@ def build_trainer(run: Run) -> None:
 
 def update_parts(run: Run) -> None:
     """What the update takes of run.cfg, made again from it (a restored snapshot's config, a
-    variant's: variants.py): the update's settings (grpo.Settings), the batch's transforms, and
-    the config the sampler scores with."""
+    variant's: variants.py): the update's settings (trainer.Settings), the batch's transforms,
+    and the config the sampler scores with."""
     cfg = run.cfg
-    run.settings = grpo.Settings(cfg.grpo, run.tokenizer.pad_token_id or 0,
-                                 npu_ops.local_device(), cfg.rollout.temperature,
-                                 cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
-                                 top_p=cfg.rollout.top_p)
+    run.settings = trainer.settings(cfg.grpo, cfg.rollout.temperature, cfg.rollout.top_p,
+                                    cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
+                                    run.tokenizer.pad_token_id or 0, npu_ops.local_device())
     run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
     if run.sampler is not None:
         run.sampler.cfg = cfg
@@ -382,16 +387,24 @@ def update_parts(run: Run) -> None:
 
 def batch_transforms(run: Run) -> list:
     """The batch's transforms for this run, in their order (batcher.py): each a function
-    grpo.Batch -> grpo.Batch, applied after this rank's share of the scored rollout. To add one,
-    append it here."""
-    cfg, out = run.cfg, []
+    batcher.Batch -> batcher.Batch, applied after this rank's share of the scored rollout. To add
+    one, append it here."""
+    cfg, g, passes, out = run.cfg, run.cfg.grpo, run.settings.passes, []
     if cfg.rollout.partial.enabled and cfg.rollout.partial.stale == "mask":
         out.append(functools.partial(partial.stale_tokens, stale="mask"))  # no loss on old tokens
     if run.split is not None:  # the group's ranks train the union of their shares
         out.append(functools.partial(seq_parallel.gather_batch, where=run.split))
     if run.teacher is not None:  # on-policy distillation: the teacher's per-token signal
         out.append(functools.partial(distill.teach, teacher=run.teacher, cfg=cfg.distill,
-                                     passes=run.settings))
+                                     passes=passes))
+    off_policy, forks = g.ppo_epochs > 1 or g.mini_batches > 1, g.top_entropy_quantile < 1
+    if off_policy or forks:  # the policy before the update: the ratio's base, the entropies
+        out.append(functools.partial(batcher.old_policy, actor=run.actor, passes=passes,
+                                     keep_logp=off_policy, entropy=forks))
+    if forks:  # only the high-entropy tokens keep a policy gradient
+        out.append(functools.partial(batcher.forking, rho=g.top_entropy_quantile))
+    if run.ref is not None:  # the KL term's reference
+        out.append(functools.partial(batcher.reference, ref=run.ref, passes=passes))
     return out
 
 
@@ -431,46 +444,46 @@ class StepProfiler:
 @dataclass
 class Last:
     """A step's rollout (records.Rollout: samples, texts, rewards, ...), its scores (grpo.Scored:
-    advantages, the samples trained) and the batch this rank trained on (grpo.Batch)."""
+    advantages, the samples trained) and the batch this rank trained on (batcher.Batch)."""
     rollout: object
     scored: grpo.Scored
-    batch: grpo.Batch
+    batch: batcher.Batch
 
 
-def train_step(run: Run, rollout=None) -> dict:
+def train_step(run: Run, replay=None) -> dict:
     """One GRPO step on every rank: collect, score, build the batch, update, log. Returns the
     step's metrics (those of metrics.jsonl); run.last holds what it trained on (`Last`).
-    `rollout` (a records.Rollout: an earlier step's run.last.rollout): train on it instead of
-    collecting (a replay: no engine turn, no data drawn; the metrics say `replay`)."""
+    `replay` (a records.Rollout: an earlier step's run.last.rollout): train on it instead of
+    collecting (no engine turn, no data drawn; the metrics say `replay`)."""
     step, started = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     run.profiler.before(step)
     # 1) collect, in the engine's turn: the actor's weights pushed into the engine, G samples
     #    per prompt and their rewards; leaving the turn, whatever raised, the engine sleeps
-    ro = rollout
+    ro = replay
     if ro is None:
         with run.turn:
             ro = run.sampler.collect(step)
     # 2) score: advantages within each group, and the samples the update takes
-    scored = grpo.score(ro, run.cfg.grpo, run.group, run.sampler.limit,
-                        run.sampler.drop_failed, run.sampler.scorer.weights)
-    # 3) the batch: this rank's share, through each feature's transform (batcher.py)
+    scored = grpo.score(ro, run.scoring, run.group)
+    # 3) the batch: this rank's share, through each feature's transform and the passes
+    #    without gradient the update needs (batcher.py)
     trained = time.perf_counter()
     batch = run.batcher.build(ro, scored, step)
     # 4) update: packed micro-batches whose loss is grpo.grpo_loss; the optimizer's steps
     with torch.profiler.record_function("step:train"):
-        update = grpo.update(run.actor, run.ref, run.opt, batch, run.settings)
-    skipped = update.pop("skipped")  # the optimizer steps not taken: not finite (faults.py)
+        update = trainer.update(run.actor, run.opt, batch, run.settings)
     run.sched.step()
     run.step, run.last = step, Last(ro, scored, batch)
     # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
-    metrics = step_metrics(run, update, (started, trained), replay=rollout is not None)
+    metrics = step_metrics(run, update.metrics, (started, trained), replay=replay is not None)
     if evaluation.due(run.cfg.log, step, run.cfg.train.steps):
         metrics.update(evaluate(run))
     log_step(run, metrics)
     run.profiler.after(step)
-    # 6) optim.max_nonfinite optimizer steps in a row not taken stop the run
-    run.nonfinite = faults.count(run.nonfinite, skipped, step, run.cfg.optim.max_nonfinite)
+    # 6) optim.max_nonfinite optimizer steps in a row not taken (not finite) stop the run
+    run.nonfinite = faults.count(run.nonfinite, update.skipped, step,
+                                 run.cfg.optim.max_nonfinite)
     return metrics
 
 
@@ -482,7 +495,8 @@ def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -
     step, last, now = run.step, run.last, time.perf_counter()
     ro, scored, batch = last.rollout, last.scored, last.batch
     # the passes before the update's own: the old policy's and the reference's, the teacher's
-    logprobs_s = update.pop("logprobs_time_s") + batch.metrics.get("teacher_time_s", 0.0)
+    logprobs_s = (batch.metrics.get("logprobs_time_s", 0.0)
+                  + batch.metrics.get("teacher_time_s", 0.0))
     seconds = {"gen": 0.0, "reward": 0.0} if replay else ro.seconds
     turn = {"sync_time_s": 0.0, "replay": 1} if replay else run.turn.metrics()
     times = {"gen_time_s": seconds["gen"], "reward_time_s": seconds["reward"],
@@ -491,7 +505,7 @@ def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -
     metrics = tracking.reduce({
         "step": step, **ro.metrics(run.group, bool(run.cfg.env.name),
                                    run.cfg.env.kind == "agent"),
-        **scored.metrics(run.group.first), **update, **times, **batch.metrics,
+        **scored.metrics(run.group.first), **update, **batch.metrics, **times,
         **run.sampler.metrics(batch.samples, step - 1),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
         "trainable_params": run.trainable,

@@ -158,7 +158,7 @@ def compare(run, variants: dict, steps: int = 1, evaluate: bool = False) -> Comp
             apply(run, cfg)
             rows = []
             for s in range(steps):
-                m = train_grpo.train_step(run, rollout=out.rollouts[s] if k else None)
+                m = train_grpo.train_step(run, replay=out.rollouts[s] if k else None)
                 if not k:
                     out.rollouts.append(run.last.rollout)
                 rows.append(m)

@@ -138,7 +138,7 @@ def main():
         scored = scorer.score(gen.texts, gen.examples)
         took = time.perf_counter() - t
         scorer.close()
-        assert scored["reward"] == [1.0] * len(gen.texts), scored["errors"]
+        assert scored.total == [1.0] * len(gen.texts), scored.errors
         out["reward"][mode] = {"seconds": round(took, 4), "start_s": round(start_s, 3)}
     for part, key in (("env", "per_turn_s"), ("reward", "seconds")):
         serial = out[part]["serial"][key]

@@ -55,6 +55,7 @@ def main():
     sys.path.insert(0, ROOT)
     import npu_ops  # noqa: F401  (first: the platform environment before torch loads)
     import episodes
+    import grpo
     import partial
     import records
     import rollout
@@ -115,9 +116,9 @@ def main():
         e.limit = lengths(example["k"], G, args)[j]
         return e
 
-    def score(generated):  # no reward: every group kept, for the step to count
-        n = len(generated.samples)
-        return records.Rewards([0.0] * n, {}, [False] * n), [True] * (n // G)
+    class Zeros:  # no reward: every group kept (no dynamic sampling), for the step to count
+        def score(self, texts, examples, failed=()):
+            return records.Rewards([0.0] * len(texts), {}, [False] * len(texts))
 
     class Drawn:  # prompts[k]: the k-th prompt drawn, marked with k
         def __getitem__(self, k):
@@ -126,7 +127,7 @@ def main():
     runner.start = start_with_its_length
     group = rollout.EngineGroup(1)
     pr = partial.PartialRollout(cfg, group, Drawn(), partial.Streams(cfg, group, engine, runner),
-                                score)
+                                Zeros(), grpo.Scoring(cfg.grpo, args.max_new))
     gen_s, tokens, rows = [], [], []
     for s in range(args.steps):
         ro = pr.collect(s + 1)  # the engine holds the weights of s steps trained

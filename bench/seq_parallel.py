@@ -10,7 +10,7 @@ at sp 1 each rank runs the whole row, at sp 2 each half of it. activation_gb: th
 tensors autograd saves for the backward during the forward (torch.autograd.graph's
 saved_tensors_hooks, each storage counted once): what the backward keeps alive, per rank. The
 weights and their gradients, the same either way, are not in it. seconds: the best of
---repeats forward+backward passes (grpo.accumulate_gradients) after one warm-up.
+--repeats forward+backward passes (trainer.accumulate_gradients) after one warm-up.
 """
 
 import argparse
@@ -25,9 +25,10 @@ import npu_ops  # noqa: E402  (first: the platform environment before torch load
 import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
+import batcher  # noqa: E402
 import fsdp_utils  # noqa: E402
-import grpo  # noqa: E402
 import seq_parallel  # noqa: E402
+import trainer  # noqa: E402
 from common import random_qwen2  # noqa: E402
 from records import Sample  # noqa: E402
 from train_grpo import init_distributed, load_config  # noqa: E402
@@ -68,11 +69,11 @@ def main() -> None:
         spec = fsdp_utils.ModelConfig(path=path, param_dtype="float32", sp_size=sp)
         actor = fsdp_utils.build_actor(spec, init_device_mesh(npu_ops.device_type(), (world,)))
 
-        batch = grpo.Batch.per_sample(samples, adv, 0, split=seq_parallel.split(sp))
-        settings = grpo.Settings(cfg, 0, npu_ops.local_device(), 1.0, half)
+        batch = batcher.Batch.per_sample(samples, adv, 0, split=seq_parallel.split(sp))
+        settings = trainer.settings(cfg, max_len=half, device=npu_ops.local_device())
 
         def step(actor=actor, batch=batch, settings=settings):
-            grpo.accumulate_gradients(actor, batch, None, None, settings)
+            trainer.accumulate_gradients(actor, batch, settings)
 
         out[f"sp{sp}_activation_gb"] = round(saved_bytes(step) / 2**30, 4)
         seconds = []

@@ -1,5 +1,5 @@
 """Training throughput, packed vs padded micro-batches, and peak memory, chunked vs unchunked
-logprobs, through the trainer's own update (grpo.accumulate_gradients on the FSDP2 actor that
+logprobs, through the trainer's own update (trainer.accumulate_gradients on the FSDP2 actor that
 fsdp_utils.build_actor makes) on a random-init Qwen2 built from a config (no download). Prints
 one JSON line.
 
@@ -77,9 +77,11 @@ def run_one(args, variant: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    import batcher
     import fsdp_utils
     import grpo
     import logprobs
+    import trainer
     from records import Sample
     from train_grpo import init_distributed
 
@@ -108,12 +110,12 @@ def run_one(args, variant: str) -> dict:
     samples, adv = samples[rank::world], adv[rank::world]  # this rank's share
     gcfg = grpo.GRPOConfig(micro_batch_tokens=args.micro_batch_tokens, **VARIANTS[variant])
 
-    batch = grpo.Batch.per_sample(samples, adv, 0)
-    settings = grpo.Settings(gcfg, 0, device, 1.0, 4 * lo)
+    batch = batcher.Batch.per_sample(samples, adv, 0)
+    settings = trainer.settings(gcfg, max_len=4 * lo, device=device)
 
     def step():
         model.zero_grad(set_to_none=True)
-        grpo.accumulate_gradients(model, batch, None, None, settings)
+        trainer.accumulate_gradients(model, batch, settings)
         npu_ops.synchronize()
 
     before = npu_ops.memory_gb()["allocated"]

@@ -6,9 +6,14 @@ itself, and the Ascend fused attention kernel's contract. Nothing here is called
 
 import math
 
+import types
+
 import torch
 
+import batcher
 import grpo
+import logprobs
+import trainer
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -171,13 +176,49 @@ def fusion_attention_reference(query, key, value, head_num, input_layout, atten_
     return (attend(query, key, value, mask),)
 
 
-def batch_of(samples: list, adv: torch.Tensor, seed: int = 0, **fields) -> grpo.Batch:
-    """A grpo.Batch of `samples` whose advantages adv (n,) are each sample's at every one of its
-    response tokens, in fp32 (as batcher.share lays them out); `fields`: grpo.Batch's others
-    (teacher, split, step)."""
-    return grpo.Batch.per_sample(samples, adv, seed, **fields)
+def batch_of(samples: list, adv: torch.Tensor, seed: int = 0, **fields) -> batcher.Batch:
+    """A batcher.Batch of `samples` whose advantages adv (n,) are each sample's at every one of
+    its response tokens, in fp32 (as batcher.share lays them out); `fields`: the Batch's others
+    (teacher, split, step, old_logp, ref_logp, forking)."""
+    return batcher.Batch.per_sample(samples, adv, seed, **fields)
 
 
-def settings(cfg, temperature: float = 1.0, max_len: int = 64, **fields) -> grpo.Settings:
-    """grpo.Settings for tests on the host: pad id 0, device cpu unless `fields` say."""
-    return grpo.Settings(cfg, temperature=temperature, max_len=max_len, **fields)
+def settings(cfg, temperature: float = 1.0, max_len: int = 64, top_p: float = 1.0,
+             grad_clip: float = 0.0, **passes) -> trainer.Settings:
+    """trainer.settings of the grpo section `cfg` for tests on the host: pad id 0, device cpu
+    unless `passes` say."""
+    return trainer.settings(cfg, temperature, top_p, max_len, grad_clip, **passes)
+
+
+def prepared(batch, actor, ref, s: trainer.Settings):
+    """`batch` through the passes without gradient that train_step gives the update under
+    s.grpo (train_grpo.batch_transforms, the product's own list: the old policy, forking, the
+    reference), for a run of `actor` and its reference `ref` (or None)."""
+    import train_grpo
+
+    run = types.SimpleNamespace(cfg=train_grpo.Config(grpo=s.grpo), split=batch.split,
+                                teacher=None, actor=actor, ref=ref, settings=s)
+    for transform in train_grpo.batch_transforms(run):
+        batch = transform(batch)
+    return batch
+
+
+def update(actor, ref, opt, batch, s: trainer.Settings) -> dict:
+    """The update as train_step runs it (the passes before it: `prepared`): its metrics and the
+    passes', with each optimizer step's verdict under "skipped"."""
+    batch = prepared(batch, actor, ref, s)
+    result = trainer.update(actor, opt, batch, s)
+    return {**batch.metrics, **result.metrics, "skipped": result.skipped}
+
+
+def weighted_sum(logp, w):
+    """A loss for logprobs.Objective: the sum of w x logp over the tokens, and their logp summed
+    as its count."""
+    return (logp * w).sum(), logp.sum()
+
+
+def weighted(w, bonus=None) -> logprobs.Objective:
+    """An arbitrary loss to compare gradients with, as the fused pass takes one: the sum of
+    w x logp (w (K,)), with an entropy bonus of weight `bonus` (K,) at each token if given; no
+    sequence terms, no teacher."""
+    return logprobs.Objective(weighted_sum, w, entropy_weights=bonus)

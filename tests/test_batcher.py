@@ -4,11 +4,13 @@ its advantages per token, the shuffle's seed, and the transforms in their order.
 import functools
 import types
 
+import pytest
 import torch
 
 import batcher
 import grpo
 import partial
+import reference
 import rollout
 from records import Sample
 
@@ -44,7 +46,7 @@ def test_the_batcher_applies_its_transforms_in_order_with_the_ranks_seed():
 
     def mark(name, batch):
         seen.append(name)
-        return grpo.Batch(batch.samples[1:], batch.adv[1:], batch.seed, batch.step,
+        return batcher.Batch(batch.samples[1:], batch.adv[1:], batch.seed, batch.step,
                           metrics={**batch.metrics, name: len(seen)})
 
     ro = types.SimpleNamespace(samples=[sample(1), sample(2), sample(3)])
@@ -64,7 +66,7 @@ def test_stale_tokens_mask_what_older_weights_wrote():
     old = sample(4, versions=[1, 1, 2, 2])
     old.mask = [1, 0, 1, 0]
     fresh = sample(2)
-    batch = grpo.Batch([old, fresh], [torch.ones(4), torch.ones(2)], 0, step=3)
+    batch = batcher.Batch([old, fresh], [torch.ones(4), torch.ones(2)], 0, step=3)
     out = partial.stale_tokens(batch, "mask")
     assert out.samples[0].mask == [0, 0, 1, 0] and out.samples[1] is fresh
     assert old.mask == [1, 0, 1, 0]  # a new batch, the rollout's samples untouched
@@ -72,11 +74,43 @@ def test_stale_tokens_mask_what_older_weights_wrote():
 
 
 def test_a_batch_slice_keeps_what_its_samples_carry():
-    teacher = grpo.TeacherTopK([torch.zeros(1, 2), torch.ones(2, 2)], [torch.zeros(1, 2),
+    teacher = batcher.TeacherTopK([torch.zeros(1, 2), torch.ones(2, 2)], [torch.zeros(1, 2),
                                                                       torch.ones(2, 2)], 0.5)
-    batch = grpo.Batch([sample(1), sample(2)], [torch.zeros(1), torch.ones(2)], 9,
-                       teacher=teacher)
+    per = [[torch.full((n,), float(10 * k + n)) for n in (1, 2)] for k in range(4)]
+    batch = batcher.Batch([sample(1), sample(2)], [torch.zeros(1), torch.ones(2)], 9,
+                          teacher=teacher, old_logp=per[0], entropy=per[1], forking=per[2],
+                          ref_logp=per[3])
     part = batch.of([1])
     assert part.samples == batch.samples[1:] and torch.equal(part.adv[0], torch.ones(2))
     assert torch.equal(part.teacher.ids[0], torch.ones(2, 2)) and part.teacher.coef == 0.5
+    for k, name in enumerate(("old_logp", "entropy", "forking", "ref_logp")):
+        assert len(getattr(part, name)) == 1 and getattr(part, name)[0] is per[k][1], name
     assert part.seed == 9 and batch.sp == 1
+    stand_in = batch.stand_in()  # a rank's empty micro-batch: zero logprobs where they ride
+    assert [len(stand_in.old_logp[0]), len(stand_in.ref_logp[0])] == [1, 1]
+    assert stand_in.forking is None and stand_in.teacher is None
+    assert batcher.Batch([], [], 0).stand_in().old_logp is None
+
+
+@pytest.mark.parametrize("epochs,minis,rho,kl,want", [
+    (1, 1, 1.0, 0.0, []),  # on-policy, no forking, no KL: the update's forward is all
+    (1, 2, 1.0, 0.0, ["old_policy"]),
+    (1, 1, 0.3, 0.0, ["old_policy", "forking"]),  # on-policy: the pass for the entropies only
+    (2, 1, 0.3, 0.1, ["old_policy", "forking", "reference"]),
+])
+def test_the_passes_without_gradient_are_batch_transforms(epochs, minis, rho, kl, want):
+    """train_grpo.batch_transforms lists the passes the update's config needs, in order, after
+    the features' own: the old policy (its logprobs kept off-policy only, the entropies with
+    forking), the forking tokens, the reference."""
+    import train_grpo
+
+    g = grpo.GRPOConfig(ppo_epochs=epochs, mini_batches=minis, top_entropy_quantile=rho,
+                        kl_coef=kl)
+    run = types.SimpleNamespace(cfg=train_grpo.Config(grpo=g), split=None, teacher=None,
+                                actor="actor", ref="ref" if kl else None,
+                                settings=reference.settings(g))
+    found = train_grpo.batch_transforms(run)
+    assert [t.func.__name__ for t in found] == want
+    if want:
+        old = found[0].keywords
+        assert (old["keep_logp"], old["entropy"]) == (epochs * minis > 1, rho < 1)

@@ -22,11 +22,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import batcher
 import config
 import distill
 import fsdp_utils
-import grpo
 import reference
+import trainer
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config, resolve
@@ -49,8 +50,8 @@ def teach(teacher, samples: list, group_adv: torch.Tensor, cfg):
     token); its per-token advantages, its teacher's top k (or None) and its metrics."""
     adv = [torch.full((len(s.response_ids),), a, dtype=torch.float64)
            for s, a in zip(samples, group_adv.tolist())]
-    batch = distill.teach(grpo.Batch(samples, adv, 0), teacher, cfg.distill,
-                          reference.settings(cfg.grpo, cfg.rollout.temperature))
+    batch = distill.teach(batcher.Batch(samples, adv, 0), teacher, cfg.distill,
+                          reference.settings(cfg.grpo, cfg.rollout.temperature).passes)
     return batch.adv, batch.teacher, batch.metrics
 
 
@@ -128,8 +129,8 @@ def test_advantages_and_gradient_equal_a_naive_loop(models, coef, reward_coef):
 
     # the student's gradient through the trainer's pass, against autograd on the naive loss
     student.zero_grad()
-    grpo.accumulate_gradients(student, grpo.Batch(samples, adv, 0), None, None,
-                              reference.settings(cfg.grpo, TEMPERATURE))
+    trainer.accumulate_gradients(student, batcher.Batch(samples, adv, 0),
+                                 reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
     loss = 0.0
@@ -183,8 +184,8 @@ def test_forward_top_k_equals_a_naive_loop(models, k, coef, reward_coef):
                                            dtype=torch.float64))
 
     student.zero_grad()
-    grpo.accumulate_gradients(student, grpo.Batch(samples, adv, 0, teacher=top), None, None,
-                              reference.settings(cfg.grpo, TEMPERATURE))
+    trainer.accumulate_gradients(student, batcher.Batch(samples, adv, 0, teacher=top),
+                                 reference.settings(cfg.grpo, TEMPERATURE))
     got = {name: p.grad.clone() for name, p in student.named_parameters()}
     student.zero_grad()
     loss = 0.0
@@ -221,8 +222,8 @@ def test_environment_tokens_and_the_teacher_move_nothing_else(models):
         changed = [a.clone() for a in adv]
         changed[4][2:5] += shift  # the environment's three tokens
         student.zero_grad()
-        grpo.accumulate_gradients(student, grpo.Batch(samples, changed, 0), None, None,
-                                  reference.settings(cfg.grpo))
+        trainer.accumulate_gradients(student, batcher.Batch(samples, changed, 0),
+                                     reference.settings(cfg.grpo))
         grads.append([p.grad.clone() for p in student.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     with pytest.raises(RuntimeError, match="host memory"):  # parked: offload.to_host's guard

@@ -11,22 +11,13 @@ Tolerances: fp64 throughout, the same arithmetic in other orders (sums over a vo
 import pytest
 import torch
 
+import batcher
 import grpo
 import logprobs
 import reference
-from test_packing import WeightedLoss, model_for, varied_samples, world_of_one  # noqa: F401
+import trainer
+from test_packing import model_for, varied_samples, world_of_one  # noqa: F401
 from test_top_p import naive
-
-
-class WeightedBonus(WeightedLoss):
-    """WeightedLoss with an entropy bonus of weight b at each token."""
-
-    def __init__(self, w, b):
-        super().__init__(w)
-        self.b = b
-
-    def entropy_weights(self, k):
-        return self.b[k]
 
 
 def sharp_model():
@@ -51,7 +42,7 @@ def test_entropy_bonus_is_autograd_of_the_entropy(top_p):
     mb = logprobs.micro_batch(samples, 0, True, model.config)
     for chunk in (5, 10**9):
         model.zero_grad()
-        out = logprobs.run(model, mb, 0.7, chunk, WeightedBonus(w, b), top_p=top_p)
+        out = logprobs.run(model, mb, logprobs.Passes(0.7, top_p, chunk), reference.weighted(w, b))
         out["loss"].backward()
         assert abs(out["loss"] - want) < 1e-10 * (lp_ref * w).abs().sum()
         assert abs(out["entropy"] - h_ref.sum()) < 1e-10 * h_ref.sum()
@@ -70,7 +61,7 @@ def test_the_pass_without_gradient_gives_each_tokens_entropy(top_p):
     _, h_ref, _, _ = naive(model, samples, torch.zeros(K, dtype=torch.float64), 0.7, top_p)
     mb = logprobs.micro_batch(samples, 0, True, model.config)
     with torch.no_grad():
-        got = logprobs.run(model, mb, 0.7, 5, top_p=top_p, entropy=True)["entropy"]
+        got = logprobs.run(model, mb, logprobs.Passes(0.7, top_p, 5), entropy=True)["entropy"]
     assert (got - h_ref).abs().max() < 1e-10 * h_ref.abs().max()
     assert h_ref.std() > 0.5 * h_ref.mean()  # tokens of different entropies
 
@@ -79,7 +70,7 @@ def test_the_pass_without_gradient_gives_each_tokens_entropy(top_p):
 def test_quantile_is_torch_quantile(n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     for q in (0.0, 0.2, 0.5, 0.8, 0.999, 1.0):
-        assert abs(grpo.quantile(x, q) - torch.quantile(x, q).item()) < 1e-12
+        assert abs(batcher.quantile(x, q) - torch.quantile(x, q).item()) < 1e-12
 
 
 def trl_high_entropy_mask(entropies, mask, threshold):
@@ -100,7 +91,7 @@ def test_forking_tokens_are_trls_high_entropy_mask(rho, world_of_one):
     samples[3].mask = [1] * 10 + [0] * 5 + [1] * 15
     gen = torch.Generator().manual_seed(1)
     ent = [torch.rand(len(s.response_ids), generator=gen) * 3 for s in samples]
-    keep, threshold = grpo.forking_tokens(samples, ent, rho, None)
+    keep, threshold = batcher.forking_tokens(samples, ent, rho, None)
     T = max(len(s.response_ids) for s in samples)
     pad = torch.zeros(len(samples), T)
     mask = torch.zeros(len(samples), T)
@@ -119,7 +110,7 @@ def test_forking_tokens_are_trls_high_entropy_mask(rho, world_of_one):
 
 
 def test_the_update_keeps_the_gradient_of_the_forking_tokens_only(world_of_one, monkeypatch):
-    """grpo.update with top_entropy_quantile 0.3, on-policy: the tokens it trains are those
+    """The update with top_entropy_quantile 0.3, on-policy: the tokens it trains are those
     whose entropy under the policy before the step (transformers' logits) is at least the 0.7
     quantile of every written token's; the forking_frac metric says 0.3 of them. Off-policy (2
     mini-batches) the same selection rides on the old policy's pass: one pass, not two."""
@@ -127,8 +118,8 @@ def test_the_update_keeps_the_gradient_of_the_forking_tokens_only(world_of_one, 
     samples[1].mask = [1] * 20 + [0] * 7 + [1] * 30
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, 0.8])
     seen, passes = {}, []
-    real_acc, real_pass = grpo.accumulate_gradients, logprobs.sample_pass
-    monkeypatch.setattr(grpo, "accumulate_gradients", lambda actor, batch, *a, **k: seen.update(
+    real_acc, real_pass = trainer.accumulate_gradients, logprobs.sample_pass
+    monkeypatch.setattr(trainer, "accumulate_gradients", lambda actor, batch, *a, **k: seen.update(
         {id(s): f for s, f in zip(batch.samples, batch.forking)}) or real_acc(actor, batch, *a,
                                                                                 **k))
     monkeypatch.setattr(logprobs, "sample_pass",
@@ -145,8 +136,8 @@ def test_the_update_keeps_the_gradient_of_the_forking_tokens_only(world_of_one, 
         cfg = grpo.GRPOConfig(top_entropy_quantile=0.3, mini_batches=minis, logprob_chunk=5)
         seen.clear()
         passes[:] = []
-        m = grpo.update(model, None, opt, reference.batch_of(samples, adv),
-                        reference.settings(cfg, 0.7))
+        m = reference.update(model, None, opt, reference.batch_of(samples, adv),
+                             reference.settings(cfg, 0.7))
         assert len(passes) == 1 and passes[0]["entropy"]  # the old policy's, if any, with it
         assert torch.cat([seen[id(s)] for s in samples]).bool().equal(want)
         frac = m["forking_frac"]

@@ -58,7 +58,8 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
                                           "prompt", 4)
         with rewards.Scorer(rewards.RewardConfig(funcs=["tiny_sum"])) as scorer:
             turn = weight_sync.EngineTurn(actor, None, engine, offload_on=False)
-            plays = sampler.Sampler(Config(), engine, one_turn, scorer, [], rollout.EngineGroup(1))
+            plays = sampler.Sampler(Config(), engine, one_turn, scorer, [], rollout.EngineGroup(1),
+                                    None)
             scores, (part, texts, per_example) = evaluation.run(turn, plays, examples, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]

@@ -8,6 +8,7 @@ import torch
 import grpo
 import reference
 import tiny_task
+import trainer
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 
@@ -50,8 +51,8 @@ def test_trained_samples_leave_out_the_dropped_and_with_mask_the_cut():
 def gradients(model, samples, adv):
     model.zero_grad()
     g = grpo.GRPOConfig(is_correction="tis")
-    grpo.accumulate_gradients(model, reference.batch_of(samples, adv), None, None,
-                              reference.settings(g))
+    trainer.accumulate_gradients(model, reference.batch_of(samples, adv),
+                                 reference.settings(g))
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

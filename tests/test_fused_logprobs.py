@@ -1,7 +1,7 @@
 """The fused output layer (logprobs.py) computes what the plain, unfused statement computes.
 
 On tiny Qwen2 and Qwen3 models in fp32, under every loss aggregation, mismatch correction and KL
-estimator, on- and off-policy, at temperatures 0.7 and 1: grpo.accumulate_gradients (packed
+estimator, on- and off-policy, at temperatures 0.7 and 1: trainer.accumulate_gradients (packed
 micro-batches, 5 output rows per chunk, gradients produced in the forward) against transformers'
 own logits of a padded batch fed to the plain statements of tests/reference.py (token_logprobs,
 padded_loss, masked_entropy_sum), differentiated by autograd: in fp64 the loss, every logprob, the entropy and the gradient of
@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 import grpo
 import logprobs
 import reference
+import trainer
 from test_packing import model_for, varied_samples, world_of_one  # noqa: F401 (fixture)
 
 # (loss_agg, clip_low, clip_high, kl_coef, kl_estimator, is_correction, on_policy, temperature)
@@ -103,7 +104,7 @@ def fused_and_unfused(arch, variant, dtype, turns=False, extra=None):
     the model in `dtype`; the mismatch weights too, to check that they took part. turns: the
     samples are multi-turn episodes, and the unfused statement applies their masks by hand.
     extra: more grpo fields, and "forking": True for a random half of the model's tokens as the
-    ones that keep their policy gradient (grpo.Batch.forking)."""
+    ones that keep their policy gradient (batcher.Batch.forking)."""
     extra = dict(extra or {})
     forks = extra.pop("forking", False)
     agg, low, high, kl, est, mode, on_policy, temp = variant[:8]
@@ -144,9 +145,9 @@ def fused_and_unfused(arch, variant, dtype, turns=False, extra=None):
                * torch.tensor(s.mask or [1] * len(s.response_ids), dtype=torch.float32)
                for s in samples] if forks else None
     model.zero_grad()
-    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv,
-                                                                       forking=forking),
-                                             old, ref, reference.settings(g, temp))
+    logps, stats = trainer.accumulate_gradients(
+        model, reference.batch_of(samples, adv, forking=forking, old_logp=old, ref_logp=ref),
+        reference.settings(g, temp))
     fused = {"loss": stats["loss"], "entropy": stats["entropy"], "clipped": stats["clipped"],
              "logp": torch.cat(logps), **{n: p.grad for n, p in model.named_parameters()}}
 
@@ -298,8 +299,9 @@ def test_environment_tokens_move_no_gradient(variant, world_of_one):
 
     def update():
         model.zero_grad()
-        _, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), old, ref,
-                                             reference.settings(g, temp))
+        _, stats = trainer.accumulate_gradients(
+            model, reference.batch_of(samples, adv, old_logp=old, ref_logp=ref),
+            reference.settings(g, temp))
         return stats, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     before, grads = update()
@@ -412,9 +414,9 @@ def test_no_host_sync_in_a_micro_batch(arch, sharded, mode, world_of_one, monkey
     ref = [[-1.0] * len(s.response_ids) for s in samples]
     with counter.indexing():
         for old in (None, ref):  # on-policy, and off-policy with a reference
-            grpo.accumulate_gradients(model, reference.batch_of(samples,
-                                                                torch.randn(len(samples))),
-                                      old, ref, reference.settings(g, 0.7))
+            trainer.accumulate_gradients(model, reference.batch_of(
+                samples, torch.randn(len(samples)), old_logp=old, ref_logp=ref),
+                reference.settings(g, 0.7))
     assert counter.windows == 2 and not counter.on  # each forward opened it, backward closed it
     assert not counter.sites, dict(counter.sites)
     # the check can fail: a read in the window is counted
@@ -434,7 +436,7 @@ def test_no_host_sync_in_the_logprob_pass(world_of_one, monkeypatch):
     model.register_forward_hook(lambda *_: setattr(counter, "on", False))
     g = grpo.GRPOConfig(micro_batch_tokens=64)  # several micro-batches
     with counter.indexing():
-        logprobs.sample_logprobs(model, samples, reference.settings(g, 0.7))
+        logprobs.sample_logprobs(model, samples, reference.settings(g, 0.7).passes)
     assert counter.windows == 4
     assert not counter.sites, dict(counter.sites)
 
@@ -456,7 +458,7 @@ def test_fsdp_param_groups_reads_both_torch_layouts():
 
 def test_the_loss_the_docs_name_is_the_loss_that_trains(world_of_one, monkeypatch):
     """grpo.py's docstring and the README say: to try a new loss, edit grpo.grpo_loss. Wrapped
-    so that its loss is multiplied by a factor, the update that train_step runs (grpo.update)
+    so that its loss is multiplied by a factor, the update that train_step runs (trainer.update)
     follows: times 0, a zero gradient and every weight as it was; times 2, twice the gradient
     norm. It is called on every response token once, chunk by chunk."""
     samples, real, calls = varied_samples(4), grpo.grpo_loss, []
@@ -473,8 +475,8 @@ def test_the_loss_the_docs_name_is_the_loss_that_trains(world_of_one, monkeypatc
         model, calls[:] = model_for("qwen2"), []
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-        m = grpo.update(model, None, opt, reference.batch_of(samples, adv),
-                        reference.settings(grpo.GRPOConfig(logprob_chunk=5)))
+        m = reference.update(model, None, opt, reference.batch_of(samples, adv),
+                             reference.settings(grpo.GRPOConfig(logprob_chunk=5)))
         moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
         return m["grad_norm"], moved, list(calls)
 

@@ -10,8 +10,8 @@ import torch
 import grpo
 import tracking
 from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, kl_penalty,
-                  mismatch_stats, mismatch_weights, overlong_penalty, split_mini_batches,
-                  take_groups)
+                  mismatch_weights, overlong_penalty, take_groups)
+from trainer import mismatch_stats, split_mini_batches
 from logprobs import plan_micro_batches
 from records import Sample
 from reference import masked_entropy_sum, pad_batch, token_logprobs

@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import fsdp_utils
 import hybrid
 import logprobs
+import reference
 import tiny_task
 from records import Sample
-from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
+from test_packing import world_of_one  # noqa: F401 (fixture)
 
 ARCHS = pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])  # dense, and with experts
 
@@ -59,10 +60,10 @@ LENGTHS = [(3, 8), (31, 50), (1, 1), (7, 22), (5, 4)]  # 11, 81, 2, 29, 9: 132 t
 
 def logp_packed_and_alone(model, samples):
     with torch.no_grad():
-        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
-                              16)["logp"]
-        alone = [logprobs.run(model, logprobs.micro_batch([s], 0, True, model.config), 0.7,
-                              16)["logp"] for s in samples]
+        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config),
+                              logprobs.Passes(0.7, chunk=16))["logp"]
+        alone = [logprobs.run(model, logprobs.micro_batch([s], 0, True, model.config),
+                              logprobs.Passes(0.7, chunk=16))["logp"] for s in samples]
     return packed, torch.cat(alone)
 
 
@@ -99,7 +100,7 @@ def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
     K = sum(len(s.response_ids) for s in samples)
     w = torch.randn(K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     mb = logprobs.micro_batch(samples, 0, True, model.config)
-    out = logprobs.run(model, mb, 0.7, 5, WeightedLoss(w))
+    out = logprobs.run(model, mb, logprobs.Passes(0.7, chunk=5), reference.weighted(w))
     out["loss"].backward()
     want, k = [], 0
     for s in samples:

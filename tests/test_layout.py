@@ -18,7 +18,7 @@ pytestmark = pytest.mark.main_only  # the code's shape: no library version enter
 ALLOWED = {
     "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
-    "rewards": {"plugins", "domains"}, "data": {"domains", "plugins", "vision"},
+    "rewards": {"plugins", "records", "domains"}, "data": {"domains", "plugins", "vision"},
     "tracking": {"domains"},
     "offload": {"npu_ops", "checkpoint"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
@@ -28,16 +28,18 @@ ALLOWED = {
     "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
     "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups
-    "partial": {"records", "rollout", "tracking"},  # carried groups across steps
+    "partial": {"grpo", "records", "rollout", "tracking"},  # carried groups across steps
     "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint", "vision"},  # the push
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
     "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
     "vision": set(),  # images in prompts: their records, their positions in a packed row
     "logprobs": {"moe", "seq_parallel", "vision"},  # the model's logprobs: packing, output layer
-    # the algorithm: nothing of engines or files
-    "grpo": {"fsdp_utils", "logprobs", "moe", "tracking", "domains"},
+    # the algorithm's formulas: nothing of engines, files or sharding
+    "grpo": {"tracking", "domains"},
+    # the update's machinery: the loop over a batch, micro-batches, the fused pass's objective
+    "trainer": {"batcher", "fsdp_utils", "grpo", "logprobs", "moe", "tracking"},
     # on-policy distillation: the teacher, its pass, per-token advantages
-    "distill": {"fsdp_utils", "grpo", "logprobs", "tracking", "domains"},
+    "distill": {"batcher", "fsdp_utils", "logprobs", "tracking", "domains"},
     "envs": {"plugins", "sandbox"},
     "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains", "vision"},
     "openai_api": set(),  # the chat-completions wire format, the HTTP endpoint that serves it
@@ -45,7 +47,8 @@ ALLOWED = {
     "agents": {"envs", "episodes", "openai_api", "partial", "plugins", "records",
                "rollout"},
     "sampler": {"agents", "grpo", "partial", "records", "rollout"},  # a step's rollout, one call
-    "batcher": {"grpo", "records", "rollout"},  # a scored rollout -> this rank's grpo.Batch
+    # a scored rollout -> this rank's Batch, its transforms and the passes without gradient
+    "batcher": {"fsdp_utils", "logprobs", "records", "rollout", "tracking"},
     "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "snapshot": {"checkpoint", "npu_ops", "offload"},  # a run's state held aside, put back
     "faults": set(),  # a stop signal, non-finite steps: what the loop does about them
@@ -55,7 +58,7 @@ ALLOWED = {
     "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
                    "domains", "partial", "evaluation", "sampler", "distill", "seq_parallel",
-                   "batcher", "snapshot", "faults"},
+                   "batcher", "snapshot", "faults", "trainer"},
 }
 
 # A unit holds one thing: a function past about 60 lines, or a class past about 200, holds two.

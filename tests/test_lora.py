@@ -35,9 +35,9 @@ def samples(n=6, seed=0):
 def train_steps(model, opt, steps=2, kl=0.0):
     g = grpo.GRPOConfig(kl_coef=kl)
     for s in range(steps):
-        grpo.update(model, model if kl else None, opt,
-                    reference.batch_of(samples(seed=s), torch.linspace(-1, 1, 6), s),
-                    reference.settings(g, max_len=8, grad_clip=1.0))
+        reference.update(model, model if kl else None, opt,
+                         reference.batch_of(samples(seed=s), torch.linspace(-1, 1, 6), s),
+                         reference.settings(g, max_len=8, grad_clip=1.0))
 
 
 def logits(model, ids):
@@ -127,9 +127,9 @@ def test_every_loss_variant_trains_the_adapters_only(tiny_task_dir, variant):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = grpo.GRPOConfig(**variant)
     for s in range(2):
-        out = grpo.update(model, model if g.kl_coef else None, opt,
-                          reference.batch_of(samples(seed=s), torch.linspace(-1, 1, 6), s),
-                          reference.settings(g, 0.7, max_len=8, grad_clip=1.0))
+        out = reference.update(model, model if g.kl_coef else None, opt,
+                               reference.batch_of(samples(seed=s), torch.linspace(-1, 1, 6), s),
+                               reference.settings(g, 0.7, max_len=8, grad_clip=1.0))
         assert torch.isfinite(torch.tensor(out["grad_norm"])) and out["grad_norm"] > 0
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (".lora_" in n), n

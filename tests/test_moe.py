@@ -19,7 +19,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fsdp_utils
-import grpo
 import logprobs
 import moe
 import reference
@@ -148,7 +147,7 @@ def make_samples(model, routing: str) -> list:
 
 @pytest.mark.parametrize("pack", [True, False])
 def test_the_update_routes_by_its_samples_routing(model, world_of_one, pack):
-    """grpo.update (one optimizer step: after it, the engine's routing and the model's own part,
+    """trainer.update (one optimizer step: after it, the engine's routing and the model's own part,
     as replay means) on samples carrying their own routing leaves the model bit-exact as without
     any; random routing changes the step. The old policy's pass (logprobs.sample_logprobs, the
     actor's: replay=True) likewise, and a reference's pass (replay=False) ignores the routing.
@@ -163,10 +162,10 @@ def test_the_update_routes_by_its_samples_routing(model, world_of_one, pack):
     for routing in ("none", "own", "random"):
         model.load_state_dict(start)
         samples = make_samples(model, routing)
-        old[routing] = [logprobs.sample_logprobs(model, samples, reference.settings(cfg),
+        old[routing] = [logprobs.sample_logprobs(model, samples, reference.settings(cfg).passes,
                                                  replay=r) for r in (True, False)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        metrics[routing] = grpo.update(model, None, opt, reference.batch_of(samples, adv, 1),
+        metrics[routing] = reference.update(model, None, opt, reference.batch_of(samples, adv, 1),
                                        reference.settings(cfg, max_len=16, grad_clip=1.0))
         after[routing] = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(start)

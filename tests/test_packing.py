@@ -22,6 +22,7 @@ import grpo
 import logprobs
 import reference
 import tiny_task
+import trainer
 from records import Sample
 
 
@@ -59,8 +60,8 @@ def update(model, samples, adv, **cfg):
     """One accumulate_gradients pass; returns the per-sample logps and the gradients."""
     model.zero_grad()
     g = grpo.GRPOConfig(is_correction="tis", **cfg)
-    logps, stats = grpo.accumulate_gradients(model, reference.batch_of(samples, adv), None, None,
-                                              reference.settings(g, 0.7))
+    logps, stats = trainer.accumulate_gradients(model, reference.batch_of(samples, adv),
+                                                reference.settings(g, 0.7))
     return logps, stats, {n: p.grad.clone() for n, p in model.named_parameters()
                           if p.grad is not None}
 
@@ -96,25 +97,6 @@ def hf_twin(model):
     return twin
 
 
-class WeightedLoss:
-    """A stand-in of grpo.MicroLoss for logprobs.run: the sum of w x logp over the tokens, and
-    their logp summed as the "clipped" count; no whole-sequence pass, no dense term, no entropy
-    bonus."""
-    whole = False
-
-    def __init__(self, w):
-        self.w = w
-
-    def __call__(self, logp, k):
-        return (logp * self.w[k]).sum(), logp.sum()
-
-    def dense(self, logp_all, p, k):
-        return 0.0, None
-
-    def entropy_weights(self, k):
-        return None
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     model, samples = model_for("qwen3"), varied_samples(1)
@@ -132,7 +114,7 @@ def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
         model.zero_grad()
         passes.clear()
         phase[0] = "forward"
-        out = logprobs.run(model, mb, 0.7, chunk, WeightedLoss(w))
+        out = logprobs.run(model, mb, logprobs.Passes(0.7, chunk=chunk), reference.weighted(w))
         phase[0] = "backward"
         out["loss"].backward()
         # the logits: once per chunk of the forward, never again in backward
@@ -144,7 +126,7 @@ def test_chunked_logprobs_equal_unchunked_and_transformers(packed, monkeypatch):
     chunked, ent_chunked, g_chunked = run(5)
     whole, ent_whole, g_whole = run(10**9)
     with torch.no_grad():  # the old and reference passes: logprobs only
-        assert rel(logprobs.run(model, mb, 0.7, 5)["logp"], mb.flat(chunked)) == 0
+        assert rel(logprobs.run(model, mb, logprobs.Passes(0.7, chunk=5))["logp"], mb.flat(chunked)) == 0
     # transformers' logits (padded batch, sdpa), then the logprob of each target
     twin = hf_twin(model)
     logits = twin(input_ids=ids, attention_mask=attn).logits[:, :-1]

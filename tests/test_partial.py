@@ -9,6 +9,7 @@ import types
 import pytest
 
 import episodes
+import grpo
 import partial
 import records
 from test_packing import model_for, world_of_one  # noqa: F401 (fixture)
@@ -69,20 +70,22 @@ def example(k: int) -> dict:
     return {"prompt": f"q{k}", "prompt_ids": [100 + k], "answer": "7"}
 
 
-def scorer(group_size: int, constant=()):
-    """The sampler's score() as PartialRollout takes it: every group kept, except those of the
-    examples in `constant` (dynamic sampling drops groups whose rewards are all equal). Records
-    the groups it saw."""
-    seen = []
+class scorer:
+    """A stand-in of rewards.Scorer for PartialRollout: a group's rewards are 1, 0, 1, ..., all
+    equal for the examples in `constant` (with dynamic sampling grpo.judge drops such a group).
+    `seen`: the groups it scored; `before(examples)`: called first."""
 
-    def score(generated):
-        n = len(generated.samples)
-        groups = [generated.examples[i]["prompt"] for i in range(0, n, group_size)]
-        seen.append(groups)
-        return (records.Rewards([1.0] * n, {"r": [1.0] * n}, [False] * n),
-                [g not in constant for g in groups])
-    score.seen = seen
-    return score
+    def __init__(self, group_size: int, constant=(), before=None):
+        self.group_size, self.constant, self.before, self.seen = group_size, constant, before, []
+
+    def score(self, texts, examples, failed=()):
+        if self.before is not None:
+            self.before(examples)
+        n = len(texts)
+        self.seen.append([examples[i]["prompt"] for i in range(0, n, self.group_size)])
+        total = [1.0 if examples[i]["prompt"] in self.constant else float(i % 2 == 0)
+                 for i in range(n)]
+        return records.Rewards(total, {"r": total}, [False] * n)
 
 
 ONE_ENGINE = types.SimpleNamespace(index=0, count=1, first=True, per_engine=lambda n: [n])
@@ -97,7 +100,8 @@ def carry(tmp_path, engine, score, *overrides, env: str = "", group_size: int = 
                                     CharTokenizer(), False, "prompt", 16)
     examples = [example(k) for k in range(8)]
     source = partial.Streams(cfg, ONE_ENGINE, engine, runner)
-    return partial.PartialRollout(cfg, ONE_ENGINE, examples, source, score), runner
+    return partial.PartialRollout(cfg, ONE_ENGINE, examples, source, score,
+                                  grpo.Scoring(cfg.grpo, 16)), runner
 
 
 def step(c, version):
@@ -183,14 +187,14 @@ def test_a_step_cut_by_an_error_runs_again_from_where_the_last_one_left(tmp_path
     """Ctrl-C in a reward of step 2, caught (a notebook): step 2 run again carries, trains and
     counts exactly what it would have without the error."""
     def run(interrupt: bool):
-        engine, score, fired = LengthEngine(LENGTHS), scorer(2), []
+        engine, fired = LengthEngine(LENGTHS), []
 
-        def flaky(generated):
-            if interrupt and not fired and generated.examples[0]["prompt"] == "q2":
+        def flaky(examples):
+            if interrupt and not fired and examples[0]["prompt"] == "q2":
                 fired.append(1)
                 raise KeyboardInterrupt
-            return score(generated)
-        c, eps = carry(tmp_path, engine, flaky, "--rollout.partial.oversample=2")
+        c, eps = carry(tmp_path, engine, scorer(2, before=flaky),
+                       "--rollout.partial.oversample=2")
         out = [step(c, 0)]
         if interrupt:
             with pytest.raises(KeyboardInterrupt):
@@ -265,6 +269,7 @@ def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
 
     import grpo
     import reference
+    import trainer
     from records import Sample
 
     model = model_for("qwen2").double()  # packed rows attend within each sample
@@ -280,8 +285,8 @@ def test_stale_mask_gives_the_older_weights_tokens_no_gradient(world_of_one):
 
     def update(view):
         model.zero_grad()
-        grpo.accumulate_gradients(model, reference.batch_of(view, adv), None, None,
-                                  reference.settings(g))
+        trainer.accumulate_gradients(model, reference.batch_of(view, adv),
+                                     reference.settings(g))
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     got = update(partial.for_update(samples, 2, "mask"))

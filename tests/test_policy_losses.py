@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import grpo
+import trainer
 from grpo import GRPOConfig
 from test_grpo_math import central_differences, grpo_loss, loss_case, naive_kl, tokens_of
 
@@ -359,11 +360,11 @@ def test_off_policy_mask_against_its_loop():
         want.append(0.0 if adv[i] < 0 and kl > delta else 1.0)
     assert keep == want and 0 < sum(want) < 8
     per_sample = [(logp[i][mask[i].bool()], engine[i][mask[i].bool()]) for i in range(8)]
-    stats = grpo.off_policy_stats([o for o, _ in per_sample], [e for _, e in per_sample], adv,
+    stats = trainer.off_policy_stats([o for o, _ in per_sample], [e for _, e in per_sample], adv,
                                   delta)
     assert stats["off_policy_masked_frac"].total == 8 - sum(want)
     assert stats["off_policy_masked_frac"].count == 8
-    assert grpo.off_policy_stats([], [], adv, 0.0) == {}  # off: no metric
+    assert trainer.off_policy_stats([], [], adv, 0.0) == {}  # off: no metric
 
 
 @pytest.mark.parametrize("cap_low", [0.0, 0.8])

@@ -14,6 +14,7 @@ values below 100, far under 1e-12."""
 import json
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 import grpo
 from conftest import launch
 from grpo import GRPOConfig
+from records import Sample
 
 TOL = 1e-12
 
@@ -169,7 +171,10 @@ def test_dynamic_sampling_keeps_what_gdpo_can_learn_from():
     total = [1.0, 1.0, 2.0, 2.0]
     for agg, want in (("sum", [False, False]), ("gdpo", [True, False])):
         cfg = GRPOConfig(group_size=2, dynamic_sampling=True, reward_agg=agg)
-        assert grpo.keep_groups(total, by_name, [3] * 4, [False] * 4, 8, cfg) == want
+        generated = types.SimpleNamespace(failed=[False] * 4,
+                                          samples=[Sample([1], [2, 3, 4], [0.0] * 3, False)] * 4)
+        rewards = types.SimpleNamespace(total=total, by_name=by_name, failed=[False] * 4)
+        assert grpo.judge(generated, rewards, grpo.Scoring(cfg, 8)) == ([False] * 4, want)
 
 
 @pytest.mark.parametrize("overrides, says", [

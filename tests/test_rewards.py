@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+import records
 import rewards
 
 pytestmark = pytest.mark.main_only  # plain Python and math-verify: no torch, no engine
@@ -189,13 +190,12 @@ def test_scorer_weighted_sum_errors_and_file_plugin(plugin):
     cfg = rewards.RewardConfig(funcs=funcs, weights=[1.0, 0.5, 0.25], timeout_s=30.0)
     with rewards.Scorer(cfg) as scorer:
         out = scorer.score(texts, examples)
-        assert out["by_name"] == {"math": [1, 0, 1, 0, 0, 0], "format": [1, 1, 0, 0, 0, 0],
+        assert out.by_name == {"math": [1, 0, 1, 0, 0, 0], "format": [1, 1, 0, 0, 0, 0],
                                   funcs[2]: [1, 1, 1, 0, 0, 0]}
-        assert out["reward"] == [1.75, 0.75, 1.25, 0.0, 0.0, 0.0]
-        assert out["errors"] == 3 and out["timeouts"] == 0
-        assert out["failed"] == [False, False, False, True, True, True]
-        assert scorer.score([], []) == {"reward": [], "by_name": {f: [] for f in funcs},
-                                        "failed": [], "errors": 0, "timeouts": 0}
+        assert out.total == [1.75, 0.75, 1.25, 0.0, 0.0, 0.0]
+        assert out.errors == 3 and out.timeouts == 0
+        assert out.failed == [False, False, False, True, True, True]
+        assert scorer.score([], []) == records.Rewards([], {f: [] for f in funcs}, [], 0, 0)
 
 
 def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
@@ -216,8 +216,8 @@ def test_in_process_scorer_runs_here_and_scores_the_same(plugin):
             assert not scorer.worker._plain or timeout_s > 0  # no worker started in-process
         assert my_reward_mod.SEEN == ([] if timeout_s else texts)
     assert outs[0] == outs[1]
-    assert outs[1]["by_name"]["my_reward_mod:recording"] == [0, 1, 0, 0, 0]
-    assert outs[1]["errors"] == 2 and outs[1]["timeouts"] == 0
+    assert outs[1].by_name["my_reward_mod:recording"] == [0, 1, 0, 0, 0]
+    assert outs[1].errors == 2 and outs[1].timeouts == 0
 
 
 def test_pure_built_ins_run_here_beside_pooled_plugins(plugin, monkeypatch):
@@ -241,7 +241,7 @@ def test_pure_built_ins_run_here_beside_pooled_plugins(plugin, monkeypatch):
         out = scorer.score(texts, examples)
         assert len(scorer.worker._plain) == 1 and "tiny_sum in this process" in scorer.worker.where()
     assert seen == texts and my_reward_mod.SEEN == []
-    assert out["by_name"] == {"tiny_sum": [1, 0, 1], "my_reward_mod:recording": [1, 0, 1]}
+    assert out.by_name == {"tiny_sum": [1, 0, 1], "my_reward_mod:recording": [1, 0, 1]}
 
 
 def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
@@ -255,11 +255,11 @@ def test_scorer_cuts_a_hanging_call_and_scores_the_rest(plugin):
         took = time.perf_counter() - t0
         # one cut call (1 s) and one worker restart (a fresh Python importing math_verify)
         assert took < 1.0 + 20.0, took
-        assert out["by_name"]["tiny_sum"] == [1, 0, 0, 1, 0, 1]
-        assert out["by_name"]["my_reward_mod:hang"] == [1, 1, 0, 1, 1, 1]
-        assert out["reward"] == [2, 1, 0, 2, 1, 2]
-        assert out["timeouts"] == 1 and out["errors"] == 0
-        assert out["failed"] == [False, False, True, False, False, False]
+        assert out.by_name["tiny_sum"] == [1, 0, 0, 1, 0, 1]
+        assert out.by_name["my_reward_mod:hang"] == [1, 1, 0, 1, 1, 1]
+        assert out.total == [2, 1, 0, 2, 1, 2]
+        assert out.timeouts == 1 and out.errors == 0
+        assert out.failed == [False, False, True, False, False, False]
         print(f"batch with one hung call: {took:.2f} s")
 
 
@@ -267,8 +267,8 @@ def test_scorer_survives_the_worker_dying(plugin):
     cfg = rewards.RewardConfig(funcs=["my_reward_mod:crash"], timeout_s=30.0, workers=1)
     with rewards.Scorer(cfg) as scorer:
         out = scorer.score(["a", "crash", "b"], [{}] * 3)
-        assert out["reward"] == [1.0, 0.0, 1.0] and out["errors"] == 1 and out["timeouts"] == 0
-        assert out["failed"] == [False, True, False]
+        assert out.total == [1.0, 0.0, 1.0] and out.errors == 1 and out.timeouts == 0
+        assert out.failed == [False, True, False]
         (w,) = scorer.worker._plain  # the replacement
         proc = w.proc
     assert not proc.is_alive()  # close() reaped it
@@ -282,7 +282,7 @@ def test_scorer_ipc_is_cheap():
         t0 = time.perf_counter()
         out = scorer.score(texts, examples)
         took = time.perf_counter() - t0
-    assert out["reward"] == [float(i % 7 == i % 10) for i in range(512)]
+    assert out.total == [float(i % 7 == i % 10) for i in range(512)]
     print(f"512 tiny_sum samples: {took * 1000:.1f} ms")
 
 
@@ -306,7 +306,7 @@ def test_a_job_cut_by_ctrl_c_leaves_no_answer_for_the_next_one(plugin):
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
         out = scorer.score(["8", "8"], [{"answer": "7"}] * 2)
-        assert out["by_name"]["my_reward_mod:slow"] == [0.0, 0.0], out
+        assert out.by_name["my_reward_mod:slow"] == [0.0, 0.0], out
 
 
 def test_tiny_colour_scores_as_tiny_sum_does():

@@ -10,7 +10,7 @@ import torch
 
 import logprobs
 import reference
-from test_packing import WeightedLoss, hf_twin, model_for, varied_samples
+from test_packing import hf_twin, model_for, varied_samples
 
 
 def nucleus_kept(z, top_p):
@@ -82,7 +82,7 @@ def test_fused_pass_is_the_nucleus_statement(top_p):
     mb = logprobs.micro_batch(samples, 0, True, model.config)
     for chunk in (5, 10**9):
         model.zero_grad()
-        out = logprobs.run(model, mb, 0.7, chunk, WeightedLoss(w), top_p=top_p)
+        out = logprobs.run(model, mb, logprobs.Passes(0.7, top_p, chunk), reference.weighted(w))
         out["loss"].backward()
         assert (out["logp"] - lp_ref).abs().max() < 1e-10 * lp_ref.abs().max()
         assert abs(out["entropy"] - ent_ref.sum()) < 1e-10 * ent_ref.sum()
@@ -90,10 +90,10 @@ def test_fused_pass_is_the_nucleus_statement(top_p):
             top = g_ref[name].abs().max()
             assert top > 0 and (p.grad - g_ref[name]).abs().max() < 1e-10 * top, name
         with torch.no_grad():  # the old-policy and reference passes: the same logprobs
-            assert torch.equal(logprobs.run(model, mb, 0.7, chunk, top_p=top_p)["logp"],
+            assert torch.equal(logprobs.run(model, mb, logprobs.Passes(0.7, top_p, chunk))["logp"],
                                out["logp"])
     # and it is not the full softmax's: what the nucleus changes is far above the tolerance
-    full = logprobs.run(model, mb, 0.7, 5)["logp"]
+    full = logprobs.run(model, mb, logprobs.Passes(0.7, chunk=5))["logp"]
     assert (full - lp_ref).abs().max() > 1e-2
 
 
@@ -111,7 +111,7 @@ def test_top_p_one_is_the_full_softmax_unchanged():
         found = []
         for kwargs in ({}, {"top_p": 1.0}):
             model.zero_grad()
-            out = logprobs.run(model, mb, 0.7, 5, WeightedLoss(w), **kwargs)
+            out = logprobs.run(model, mb, logprobs.Passes(0.7, chunk=5, **kwargs), reference.weighted(w))
             out["loss"].backward()
             found.append((out["logp"], out["entropy"],
                           [p.grad.clone() for p in model.parameters()]))
@@ -133,7 +133,7 @@ def test_top_k_of_the_nucleus_is_inside_it():
     samples = varied_samples(1)
     mb = logprobs.micro_batch(samples, 0, True, model.config)
     with torch.no_grad():
-        out = logprobs.run(model, mb, 0.7, 5, top_k=15, top_p=0.6)
+        out = logprobs.run(model, mb, logprobs.Passes(0.7, 0.6, 5), top_k=15)
     probs = out["top_logp"].exp()
     assert torch.allclose(probs.sum(1), torch.ones_like(probs[:, 0]), atol=1e-12)
     assert (out["top_logp"][:, -1] == -float("inf")).any()

@@ -24,10 +24,11 @@ import torch
 import fsdp_utils
 import hybrid
 import logprobs
+import reference
 import vision
 from records import Sample
 from test_hybrid import logp_packed_and_alone  # the same pass, packed and each alone
-from test_packing import WeightedLoss, world_of_one  # noqa: F401 (fixture)
+from test_packing import world_of_one  # noqa: F401 (fixture)
 
 IMAGE, START, END, VOCAB = 120, 122, 123, 128
 PATCH, MERGE, TEMPORAL = 14, 2, 2
@@ -164,8 +165,8 @@ def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
     samples = samples_of(LAYOUT, seed=1)
     K = sum(len(s.response_ids) for s in samples)
     w = torch.randn(K, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    out = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7, 5,
-                       WeightedLoss(w))
+    out = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config),
+                       logprobs.Passes(0.7, chunk=5), reference.weighted(w))
     out["loss"].backward()
     want, k = [], 0
     for s in samples:
@@ -256,8 +257,8 @@ def test_the_actor_with_images_is_the_whole_model_its_tower_frozen(tmp_path):
         if s.vision is not None:
             s.vision.pixel_values = s.vision.pixel_values.float()
     K = sum(len(s.response_ids) for s in samples)
-    out = logprobs.run(actor, logprobs.micro_batch(samples, 0, True, actor.config), 0.7, 5,
-                       WeightedLoss(torch.ones(K)))
+    out = logprobs.run(actor, logprobs.micro_batch(samples, 0, True, actor.config),
+                       logprobs.Passes(0.7, chunk=5), reference.weighted(torch.ones(K)))
     out["loss"].backward()
     with torch.no_grad():
         want = torch.cat([forward_alone(hf, s)[len(s.prompt_ids) - 1:-1].div(0.7)
@@ -318,8 +319,8 @@ def test_a_placeholder_token_in_a_response_is_text_as_in_the_engine():
     samples = samples_of(LAYOUT, seed=4)
     samples[0].response_ids[2], samples[2].response_ids[0] = IMAGE, 121  # image, video token
     with torch.no_grad():
-        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config), 0.7,
-                              16)["logp"]
+        packed = logprobs.run(model, logprobs.micro_batch(samples, 0, True, model.config),
+                              logprobs.Passes(0.7, chunk=16))["logp"]
         want, inner = [], model.model
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])

@@ -30,6 +30,7 @@ import fsdp_utils
 import grpo
 import offload
 import rollout
+import trainer
 import weight_sync
 from records import Sample
 from tests.reference import batch_of, token_logprobs
@@ -59,8 +60,8 @@ gen = torch.Generator().manual_seed(1)
 samples = [Sample(torch.randint(0, vocab, (16,), generator=gen).tolist(),
                   torch.randint(0, vocab, (24,), generator=gen).tolist(), [0.0] * 24, False)
            for _ in range(8)]
-settings = grpo.Settings(g, 0, device, 1.0, 24, 1.0)
-grpo.update(actor, None, opt, batch_of(samples, torch.randn(8, generator=gen)), settings)
+settings = trainer.settings(g, max_len=24, grad_clip=1.0, device=device)
+trainer.update(actor, opt, batch_of(samples, torch.randn(8, generator=gen)), settings)
 held = offload.device_tensors(actor, opt)
 state_bytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
                                                          for t in held}.values())
@@ -96,7 +97,7 @@ with turn:  # leaving it: the engine asleep, the actor and its optimizer state b
 assert len(allocated) == 2, allocated
 assert all(torch.equal(t.cpu(), b) for t, b in zip(held, before)), "the moves changed a value"
 # 4) no token to learn from on any rank: the norm must come back on the device, not the CPU
-empty = grpo.update(actor, None, opt, batch_of([], torch.zeros(0), 1), settings)
+empty = trainer.update(actor, opt, batch_of([], torch.zeros(0), 1), settings).metrics
 assert empty["grad_norm"] == 0.0, empty
 with torch.no_grad():
     gaps = []

@@ -1,4 +1,4 @@
-"""2 ranks: FSDP2-sharded GRPO updates (grpo.accumulate_gradients) equal unsharded updates.
+"""2 ranks: FSDP2-sharded GRPO updates (trainer.accumulate_gradients) equal unsharded updates.
 
 The reference is an unsharded HF model on every rank; its gradient over the whole global batch
 comes from a per-sequence loop written independently of the trainer:
@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 from records import Sample
-from grpo import Settings, accumulate_gradients
 from tests.reference import batch_of
+from trainer import accumulate_gradients, settings
 from train_grpo import Config, init_distributed
 
 model_dir, reshard, ckpt = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
@@ -49,9 +49,9 @@ for step in range(3):
         samples.append(Sample(p.tolist(), r.tolist(), [0.0] * len(r), False))
     adv = torch.randn(8, generator=g)
     mine = list(range(rank, 8, world))
-    accumulate_gradients(actor, batch_of([samples[i] for i in mine], adv[mine]), None, None,
-                         Settings(cfg.grpo, 0, "cpu", cfg.rollout.temperature,
-                                  cfg.rollout.max_new_tokens))
+    accumulate_gradients(actor, batch_of([samples[i] for i in mine], adv[mine]),
+                         settings(cfg.grpo, cfg.rollout.temperature,
+                                  max_len=cfg.rollout.max_new_tokens))
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}  # before clip
     norm = fsdp_utils.clip_grad_norm(actor, cfg.optim.grad_clip).item()
     clipped = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters()}

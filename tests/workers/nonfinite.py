@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import faults
-import grpo
+import trainer
 from train_grpo import load_config, setup, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/workers
@@ -25,7 +25,7 @@ cfg = load_config("configs/tiny_cpu.yaml", [
     f"--data.tiny_task_dir={task_dir}", f"--log.out_dir={out_dir}", "--log.eval_every=0",
     "--grpo.prompts_per_step=8", "--train.steps=8", "--optim.max_nonfinite=2"])
 POISON = {2: (0, "loss"), 4: (1, "grad"), 6: (0, "loss"), 7: (1, "grad")}  # step: rank, where
-real = grpo.accumulate_gradients
+real = trainer.accumulate_gradients
 now = {"step": 0}
 
 
@@ -43,7 +43,7 @@ def poisoned(actor, batch, *args, **kwargs):
     return logp, stats
 
 
-grpo.accumulate_gradients = poisoned
+trainer.accumulate_gradients = poisoned
 with setup(cfg) as run:
     seen = []
     for step in (1, 2, 3, 4, 5):

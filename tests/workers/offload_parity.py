@@ -33,7 +33,7 @@ import offload
 import rollout
 import weight_sync
 from records import Sample
-from tests.reference import batch_of
+from tests.reference import batch_of, settings, update
 from train_grpo import init_distributed
 
 model_dir, reshard = sys.argv[1], sys.argv[2] == "1"
@@ -83,8 +83,8 @@ def train_step(actor, ref, opt, step):
                       False) for i in range(4)]
     mine = list(range(rank, 4, world))
     adv = torch.randn(4, generator=gen)
-    grpo.update(actor, ref, opt, batch_of([samples[i] for i in mine], adv[mine], step),
-                grpo.Settings(g, 0, "cpu", 1.0, 8, 1.0))
+    update(actor, ref, opt, batch_of([samples[i] for i in mine], adv[mine], step),
+           settings(g, max_len=8, grad_clip=1.0))
 
 
 def owns_nothing(held) -> bool:

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import engines
 import episodes
 import fsdp_utils
+import grpo
 import partial
 import records
 import rollout
@@ -88,15 +89,18 @@ class Cycle:
         return examples[i % len(examples)]
 
 
-def keep_all(generated):
-    """Every finished group kept, with reward 0 (none is scored here)."""
-    n = len(generated.samples)
-    return records.Rewards([0.0] * n, {}, [False] * n), [True] * (n // 4)
+class Zeros:
+    """A stand-in of rewards.Scorer: reward 0 for every sample (none is scored here), so every
+    finished group is kept (no dynamic sampling)."""
+
+    def score(self, texts, examples, failed=()):
+        return records.Rewards([0.0] * len(texts), {}, [False] * len(texts))
 
 
 runner = episodes.EpisodeRunner(episodes.EnvConfig(), tok, False, "prompt", MAX, group)
 streams = partial.Streams(run_cfg, group, engine, runner)
-pr = partial.PartialRollout(run_cfg, group, Cycle(), streams, keep_all)
+pr = partial.PartialRollout(run_cfg, group, Cycle(), streams, Zeros(),
+                            grpo.Scoring(run_cfg.grpo, MAX))
 resumed, checked, steps, worst = 0, 0, 0, 0.0
 while not resumed or steps < 2:
     assert steps < 8, "no sample cut mid-response was resumed and finished in 8 steps"

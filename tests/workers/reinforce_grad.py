@@ -1,4 +1,4 @@
-"""2 ranks: the first optimizer step of grpo.update takes the REINFORCE gradient.
+"""2 ranks: the first optimizer step of trainer.update takes the REINFORCE gradient.
 
 With no mismatch correction, the first update of a rollout sees ratio 1 (on-policy, or old_logp
 recomputed by the same weights), so its gradient must equal that of
@@ -20,13 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 import fsdp_utils
-import grpo
 import logprobs
 import offload
 from records import Sample
-from grpo import LOSS_AGGS, split_mini_batches
-from tests.reference import batch_of
+from grpo import LOSS_AGGS
+from tests.reference import batch_of, update
 from train_grpo import Config, init_distributed
+from trainer import settings as make_settings, split_mini_batches
 
 model_dir = sys.argv[1]
 rank, world = init_distributed()
@@ -37,8 +37,8 @@ cfg.grpo.micro_batch_tokens = 16  # several micro-batches, unequal counts across
 cfg.grpo.is_correction = "none"
 cfg.optim.grad_clip = 0.0  # the recorded gradient is the raw one
 cfg.rollout.max_new_tokens = 12
-settings = grpo.Settings(cfg.grpo, 0, "cpu", cfg.rollout.temperature,  # (cfg.grpo changes
-                         cfg.rollout.max_new_tokens, cfg.optim.grad_clip)  # case by case)
+settings = make_settings(cfg.grpo, cfg.rollout.temperature,  # (cfg.grpo changes case by case)
+                         max_len=cfg.rollout.max_new_tokens, grad_clip=cfg.optim.grad_clip)
 mesh = init_device_mesh("cpu", (world,))
 actor = fsdp_utils.build_actor(cfg.model, mesh)
 ref_model = fsdp_utils.build_actor(cfg.model, mesh, reference=True)
@@ -67,7 +67,7 @@ try:
 except RuntimeError as e:
     assert "host memory (offload.to_host)" in str(e)
 offload.to_device(ref_model)
-ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], settings)
+ref_lp = logprobs.sample_logprobs(ref_model, [samples[i] for i in mine], settings.passes)
 with torch.no_grad():
     for i, lp in zip(mine, ref_lp):
         assert torch.allclose(lp, hf_logp(samples[i]), atol=1e-5), i
@@ -104,8 +104,8 @@ for agg, epochs, n_mb, kl_coef, est in cases:
     cfg.grpo.loss_agg, cfg.grpo.ppo_epochs, cfg.grpo.mini_batches = agg, epochs, n_mb
     cfg.grpo.kl_coef, cfg.grpo.kl_estimator = kl_coef, est
     opt, recomputed[:] = FirstStep(), []
-    grpo.update(actor, ref_model if kl_coef else None, opt,
-                batch_of([samples[i] for i in mine], adv[mine], 7), settings)
+    update(actor, ref_model if kl_coef else None, opt,
+           batch_of([samples[i] for i in mine], adv[mine], 7), settings)
     assert len(opt.grads) == epochs * n_mb
     on_policy = epochs == 1 and n_mb == 1
     assert (actor in recomputed) == (not on_policy), (agg, epochs, n_mb)
@@ -152,8 +152,8 @@ class Recording(torch.optim.AdamW):
         return super().step()
 
 
-grpo.update(actor, None, Recording(actor.parameters(), lr=3e-3),
-            batch_of([samples[i] for i in mine], adv[mine], 11), settings)
+update(actor, None, Recording(actor.parameters(), lr=3e-3),
+       batch_of([samples[i] for i in mine], adv[mine], 11), settings)
 hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-3)
 with torch.no_grad():
     old = {i: hf_logp(samples[i]) for i in range(12)}

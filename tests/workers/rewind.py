@@ -79,7 +79,7 @@ def predicted_losses(run, last, names_cfgs) -> dict:
     import reference
 
     samples, adv = last.batch.samples, last.batch.adv
-    logp = logprobs.sample_logprobs(run.actor, samples, run.settings)
+    logp = logprobs.sample_logprobs(run.actor, samples, run.settings.passes)
     width = max(len(s.response_ids) for s in samples)
     pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r).double(),  # noqa
                                                             (0, width - len(r))) for r in rows])
@@ -108,7 +108,7 @@ def variants(run) -> None:
     collected = train_step(run)
     last, after = run.last, state(run)
     run.restore(snap)
-    replayed = train_step(run, rollout=last.rollout)
+    replayed = train_step(run, replay=last.rollout)
     assert replayed["replay"] == 1 and replayed["gen_time_s"] == 0.0
     assert numbers(collected, TURN) == numbers(replayed, TURN)
     same_state(after, state(run), "the replay")

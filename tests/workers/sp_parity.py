@@ -5,7 +5,7 @@ the ranks, and every parameter's gradient, gathered whole; with per-token option
 sequence-level ones (seq_mask / seq_truncate weights, GSPO's ratio, the off-policy mask: every
 token's logprobs gathered in the group first), and VESPO with the entropy bonus on given
 forking tokens. Then the old policy's pass with its entropies, and top_entropy_quantile's
-threshold (grpo.forking_tokens) over every token once.
+threshold (batcher.forking_tokens) over every token once.
 Samples: five, 67 tokens in all, three micro-batches whose packed rows split mid-sample and one
 of odd length; an episode whose environment wrote 3 of its tokens. MODEL_DIR: a Qwen2 with 4
 query heads and KV_HEADS key/value heads (1: fewer than the ranks, replicated).
@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import batcher
 import fsdp_utils
-import grpo
 import logprobs
 import seq_parallel
+import trainer
 from records import Sample
 from tests.reference import batch_of
 from train_grpo import init_distributed, load_config
@@ -42,7 +43,7 @@ for prompt, response in ((3, 8), (7, 10), (2, 5), (9, 12), (4, 7)):
 samples[3].mask = [1] * 4 + [0] * 3 + [1] * 5  # an environment's three tokens
 adv = torch.tensor([0.5, -1.0, 0.25, 1.5, -0.75], dtype=torch.float64)
 CASES = {  # the loss's options; old: an old policy's logprobs given (off-policy) or not;
-    # forks: grpo.Batch.forking given (the tokens that keep their policy gradient)
+    # forks: batcher.Batch.forking given (the tokens that keep their policy gradient)
     "token": ([], False, False),
     "sequence, on-policy": (["--grpo.is_correction=seq_truncate",
                              "--grpo.off_policy_delta=0.05"], False, False),
@@ -71,22 +72,23 @@ for sp in (1, 2):
     for case, (options, off, forks) in CASES.items():
         c = load_config(None, [*BASE, *options]).grpo
         actor.zero_grad(set_to_none=True)
-        logp, stats = grpo.accumulate_gradients(
-            actor, batch_of(samples, adv, split=split, forking=forking if forks else None),
-            old_logp if off else None, None, grpo.Settings(c, 0, "cpu", 0.7, 16))
+        logp, stats = trainer.accumulate_gradients(
+            actor, batch_of(samples, adv, split=split, forking=forking if forks else None,
+                            old_logp=old_logp if off else None),
+            trainer.settings(c, 0.7, max_len=16))
         sums = torch.stack([stats["loss"], stats["entropy"], stats["clipped"]])
         dist.all_reduce(sums)
         grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters()}
         got[sp, case] = (logp, sums, grads)
-    found = logprobs.sample_pass(actor, samples, grpo.Settings(cfg, 0, "cpu", 0.7),
+    found = logprobs.sample_pass(actor, samples, trainer.settings(cfg, 0.7).passes,
                                  entropy=True, split=split)
     got[sp, "old"], got[sp, "entropy"] = found["logp"], found["entropy"]
     # grpo.top_entropy_quantile's threshold, over every token once: at sp 2 a group's ranks
     # hold the same samples (one counts); at sp 1 each rank takes half of them
     mine = samples if sp == 2 else samples[rank::2]
     ent = found["entropy"] if sp == 2 else found["entropy"][rank::2]
-    every = torch.cat(grpo.written(samples, found["entropy"])).double()
-    keep, threshold = grpo.forking_tokens(mine, ent, 0.3, split)
+    every = torch.cat(batcher.written(samples, found["entropy"])).double()
+    keep, threshold = batcher.forking_tokens(mine, ent, 0.3, split)
     assert abs(threshold - torch.quantile(every, 0.7).item()) < 1e-12, (sp, threshold)
     kept = torch.tensor([sum(float(k.sum()) for k in keep)])
     if sp == 1:

@@ -13,6 +13,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import rollout
+import trainer
 
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=64, max_new_tokens=8,
                                                      temperature=0.7, top_p=0.9)
@@ -22,10 +23,10 @@ actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtyp
 prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "3+4=", "0+5="]]
 samples = engine.generate(prompts, n=16, seed=0)
 engine_lp = torch.tensor([x for s in samples for x in s.logp])
-settings = grpo.Settings(grpo.GRPOConfig(), temperature=0.7, top_p=0.9)
+settings = trainer.settings(grpo.GRPOConfig(), temperature=0.7, top_p=0.9).passes
 ours = torch.cat(logprobs.sample_logprobs(actor, samples, settings))
-full = torch.cat(logprobs.sample_logprobs(actor, samples, grpo.Settings(grpo.GRPOConfig(),
-                                                                        temperature=0.7)))
+full = torch.cat(logprobs.sample_logprobs(
+    actor, samples, trainer.settings(grpo.GRPOConfig(), temperature=0.7).passes))
 gap, gap_full = (engine_lp - ours).abs().max().item(), (engine_lp - full).abs().max().item()
 print(f"rank {rank}: {len(engine_lp)} tokens, max |engine - trainer| logprob at top_p 0.9 "
       f"{gap:.2e}, against the full softmax {gap_full:.2e}", flush=True)

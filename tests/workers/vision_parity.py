@@ -75,7 +75,7 @@ def engine_logprobs() -> torch.Tensor:
 def trainer_logprobs() -> torch.Tensor:
     with torch.no_grad():
         mb = logprobs.micro_batch(samples, tok.pad_token_id, True, actor.config)
-        return logprobs.run(actor, mb, 1.0, 16)["logp"]
+        return logprobs.run(actor, mb, logprobs.Passes(1.0, chunk=16))["logp"]
 
 
 previous = None
