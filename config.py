@@ -1,24 +1,148 @@
-"""Config plumbing: YAML file and `--section.key=value` overrides into a dataclass tree, and the
-walk over its sections' checks.
+"""The config tree's plumbing: the values each field takes, YAML file and `--section.key=value`
+overrides into the dataclass tree, and the walk over its sections' checks.
 
 The tree itself is train_grpo.Config (one dataclass per YAML section, each defined next to the
-code that uses it). Precedence: command line > file > defaults. Values are coerced to the field's
-type (PyYAML reads 1e-6 as a string); an unknown section or key raises with the closest valid
-name. `validate` checks every field against its domain, then lets each section check itself
-against the rest of the tree (its dataclass's `check`) before anything loads; `check_model` and
-`check_host_memory` do the same against the model's files and the host's memory. The checks
-live with their sections: this module imports none of the sections' modules.
+code that uses it). Each field states its domain in its type, next to its default:
+
+    group_size: Annotated[int, config.Range(2)] = 8  # G: responses sampled per prompt
+
+Precedence: command line > file > defaults. Values are coerced to the field's type (PyYAML reads
+1e-6 as a string); an unknown section or key raises with the closest valid name. `validate`
+checks every field against its domain (one line naming the field, the value, what it must be
+and the default), then lets each section check itself against the rest of the tree (its
+dataclass's `check`, raising `BadInput` through `need`) before anything loads; `check_model` and
+`check_host_memory` do the same against the model's files and the host's memory.
+tests/test_config.py walks the tree and tries values outside each domain (`Domain.outside`), so
+a field without a domain, or a domain whose check is gone, fails there. The checks live with
+their sections: this module imports none of the sections' modules.
 """
 
 import dataclasses
 import difflib
 import functools
 import json
+import math
+import numbers
 import os
 import typing
 
-import domains
-from domains import BadInput  # raised here, and caught as config.BadInput (train_grpo.main)
+
+class BadInput(ValueError):
+    """The user's config, data or reward plugin is wrong, found by our own checks before any model
+    loads. main() prints it as one line and exits 2; elsewhere (a notebook) it is a ValueError
+    like any. Only our checks raise it: an exception from inside another library surfaces as it
+    is, with its traceback."""
+
+
+def need(ok, msg: str) -> None:
+    """A section's rule across fields: BadInput "config: msg" (the field, its value, the fix)
+    where `ok` is false."""
+    if not ok:
+        raise BadInput(f"config: {msg}")
+
+
+class Domain:
+    def describe(self) -> str:
+        """What the field takes, for `--help` ("must be >= 2", "one of a, b")."""
+        raise NotImplementedError
+
+    def problem(self, value) -> str | None:
+        """None when `value` is in the domain, else what it must be ("must be >= 2")."""
+        raise NotImplementedError
+
+    def outside(self) -> list:
+        """Values of the field's type that lie outside the domain (for the tree-walking test)."""
+        raise NotImplementedError
+
+
+class Range(Domain):
+    """A finite number in [lo, hi] (None: unbounded; open=True: that end excluded)."""
+
+    def __init__(self, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False):
+        self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
+
+    def describe(self) -> str:
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {self.lo}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '<='} {self.hi}")
+        return "must be " + " and ".join(parts or ["a finite number"])
+
+    def problem(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
+                value):
+            return self.describe()
+        low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        high = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)
+        return self.describe() if low or high else None
+
+    def outside(self) -> list:
+        """For an int field the caller keeps the integers of these."""
+        out = []
+        if self.lo is not None:
+            out += [self.lo if self.lo_open else self.lo - 1, self.lo - 1000]
+        if self.hi is not None:
+            out += [self.hi if self.hi_open else self.hi + 1, self.hi * 1000 + 1000]
+        return out + [math.inf, math.nan]
+
+
+class OneOf(Domain):
+    """One of the options (names, or numbers)."""
+
+    def __init__(self, *options):
+        self.options = options
+
+    def describe(self) -> str:
+        return f"one of {', '.join(repr(o) if o == '' else str(o) for o in self.options)}"
+
+    def problem(self, value):
+        return None if value in self.options else f"use {self.describe()}"
+
+    def outside(self) -> list:
+        if all(isinstance(o, int) for o in self.options):
+            return [min(self.options) - 1, max(self.options) + 1]
+        return ["nope", str(self.options[0]).upper() + "x"]
+
+
+class Items(Domain):
+    """A list whose every item is in `item`."""
+
+    def __init__(self, item: Domain):
+        self.item = item
+
+    def describe(self) -> str:
+        return f"a list, each item {self.item.describe()}"
+
+    def problem(self, value):
+        for i, v in enumerate(value):
+            if (p := self.item.problem(v)) is not None:
+                return f"item {i} ({v!r}): {p}"
+        return None
+
+    def outside(self) -> list:
+        return [[v] for v in self.item.outside()]
+
+
+class Anything(Domain):
+    """Every value of the field's type is taken here: `why` says where it is checked, if
+    anywhere (a later check that names the field: give it values to refuse in `refused`)."""
+
+    def __init__(self, why: str, refused: tuple = ()):
+        self.why, self.refused = why, list(refused)
+
+    def describe(self) -> str:
+        return self.why
+
+    def problem(self, value):
+        return None
+
+    def outside(self) -> list:
+        return self.refused
+
+
+FLAG = Anything("true or false")
+DTYPE = OneOf("float32", "bfloat16", "float16")
 
 
 def _closest(name: str, options) -> str:
@@ -157,7 +281,7 @@ def _flatten(tree: type, dotted: str, val) -> list:
 
 def fields(cfg):
     """(section.key, value, domain, default) of every field of the config tree `cfg`, the domain
-    read from the field's type (domains.py); a field without one is a TypeError. A sub-section
+    read from the field's type (`Domain`); a field without one is a TypeError. A sub-section
     (a dataclass field of a section, as rollout.partial) yields its own fields, dotted."""
     for sec in dataclasses.fields(cfg):
         yield from _section_fields(getattr(cfg, sec.name), sec.name)
@@ -171,10 +295,10 @@ def _section_fields(section, name: str):
             yield from _section_fields(value, f"{name}.{f.name}")
             continue
         found = [a for a in getattr(hints[f.name], "__metadata__", ())
-                 if isinstance(a, domains.Domain)]
+                 if isinstance(a, Domain)]
         if not found:
             raise TypeError(f"config field {name}.{f.name} states no domain: annotate it "
-                            "as Annotated[type, domains.X(...)] (domains.py)")
+                            "as Annotated[type, config.X(...)] (config.py)")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         yield f"{name}.{f.name}", value, found[0], default
 

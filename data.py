@@ -4,7 +4,7 @@
 file, or a directory written by `save_to_disk`), turns each prompt into token ids (plain text or
 chat messages, optionally through the tokenizer's chat template), extracts the gold answer, and
 drops prompts longer than `data.max_prompt_len`. Every bad input fails with a one-line
-domains.BadInput that names the config field and the fix, before any model is built; an error
+config.BadInput that names the config field and the fix, before any model is built; an error
 from inside datasets or the tokenizer surfaces as it is.
 """
 
@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Annotated
 
+from modeling import vision
 import plugins
-import vision
-from domains import FLAG, Anything, BadInput, OneOf, Range
+from config import FLAG, Anything, BadInput, OneOf, Range
 
 log = logging.getLogger("grpo")
 

@@ -29,13 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-import envs
+from collect import envs, sandbox
+from modeling import vision
 import plugins
 import records
 import rollout
-import sandbox
-import vision
-from domains import FLAG, Anything, OneOf, Range, need
+from config import FLAG, Anything, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 

@@ -23,14 +23,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 import checkpoint
-import hybrid
-import kernels
-import moe
+from modeling import hybrid, kernels, moe, seq_parallel, vision
 import npu_ops
 import offload
-import seq_parallel
-import vision
-from domains import DTYPE, FLAG, Anything, BadInput, Items, OneOf, Range, need
+from config import DTYPE, FLAG, Anything, BadInput, Items, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 

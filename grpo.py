@@ -8,7 +8,7 @@ optimizer loop). To try a new loss, edit `grpo_loss`: it is the per-token object
 training minimises (the fused pass in logprobs.py differentiates it on every chunk of output
 rows); each policy loss it can take is a named function citing its paper (`ppo_clip`, `cispo`,
 `sapo`, `dppo`, `vespo`). For a new option, add a field to `GRPOConfig` with its domain in the
-field's type (domains.py). The advantages are `advantages` (by default `group_advantages`),
+field's type (config.py). The advantages are `advantages` (by default `group_advantages`),
 called by `score`.
 
 With the defaults this GRPO is, precisely:
@@ -41,7 +41,7 @@ from typing import Annotated
 import torch
 
 import tracking
-from domains import FLAG, OneOf, Range, need
+from config import FLAG, OneOf, Range, need
 
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant", "seq_sum")

@@ -45,9 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import moe
-import seq_parallel
-import vision
+from modeling import moe, seq_parallel, vision
 
 # a zero-loss stand-in sample (any object with these fields is a sample here)
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,

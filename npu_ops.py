@@ -120,7 +120,7 @@ _OURS = _set_env_before_torch()  # name -> value this module set; setup_env adds
 
 import torch  # noqa: E402  (after the environment: this import also loads torch_npu)
 
-import ascend_checks  # noqa: E402
+from devices import ascend_checks  # noqa: E402
 
 log = logging.getLogger("grpo")
 

@@ -21,7 +21,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 
 import plugins
 import records
-from domains import Anything, Items, Range
+from config import Anything, Items, Range
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

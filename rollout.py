@@ -29,7 +29,7 @@ from typing import Annotated
 
 import npu_ops
 import records
-from domains import DTYPE, FLAG, BadInput, OneOf, Range, need
+from config import DTYPE, FLAG, BadInput, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 

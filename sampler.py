@@ -28,11 +28,12 @@ import time
 
 import torch
 
-import agents
+from collect import agents, partial
 import grpo
-import partial
 import records
 import rollout
+import tracking
+from tracking import Mean
 
 
 class Sampler:
@@ -87,14 +88,28 @@ class Sampler:
         env = sum((p.env for p, *_ in pieces), records.EnvCalls())
         return records.Rollout.join(pieces, kept, env, len(pieces), seconds)
 
-    def play(self, examples: list, n: int, greedy: bool = False) -> records.Generated:
-        """n episodes of each of `examples` outside any step (evaluation.run's held-out
-        prompts): no data drawn, nothing carried, the engine's current weights."""
-        return self.runner.run(self.engine, examples, n, greedy=greedy)
-
-    def rewards(self, texts: list, examples: list, failed: list) -> list[float]:
-        """The rewards of finished episodes (`play`'s), a failed one's 0."""
-        return self.scorer.score(texts, examples, failed).total
+    @torch.no_grad()
+    def evaluate(self, turn, examples: list, k: int = 0) -> tuple[dict, tuple]:
+        """Held-out prompts outside any step (no data drawn, nothing carried: partial rollout's
+        samples never seen), each engine group taking a slice of `examples`, in an engine turn
+        of its own (`turn`, weight_sync.EngineTurn: the update since the rollout pushed first):
+        greedy pass@1 (the mean reward of one greedy completion, or episode, per example) and,
+        with k > 0, mean@k (the mean reward of k at the rollout temperature). Returns
+        ({"eval_pass1": .., "eval_mean_at_k": ..}, (examples, greedy completions, their
+        rewards)) of this rank's slice."""
+        group = self.group
+        part = examples[group.index::group.count]
+        with turn:
+            runs = [self.runner.run(self.engine, part, 1, greedy=True)] + (
+                [self.runner.run(self.engine, part, k)] if k else [])
+        texts, rows = [t for r in runs for t in r.texts], [x for r in runs for x in r.examples]
+        scores = self.scorer.score(texts, rows, [f for r in runs for f in r.failed]).total
+        first, n = int(group.first), len(part)  # each engine group's scores counted once
+        out = tracking.reduce({"eval_pass1": Mean(sum(scores[:n]) * first, n * first),
+                               "eval_mean_at_k": Mean(sum(scores[n:]) * first, n * k * first)})
+        if not k:
+            del out["eval_mean_at_k"]
+        return out, (part, records.shown(rows[:n], texts[:n]), scores[:n])
 
     def close(self) -> None:
         """Stop the reward and environment workers (the engine is the run's to shut down)."""

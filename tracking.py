@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 
-from domains import Anything, Items, OneOf, Range, need
+from config import Anything, Items, OneOf, Range, need
 
 
 @dataclass
@@ -58,6 +58,11 @@ class LogConfig:
         need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
              f"log.out_dir='{self.out_dir}' cannot be written ({existing} is not a writable "
              "directory). Fix: choose a directory you can write")
+
+    def eval_due(self, step: int, steps: int) -> bool:
+        """Whether step `step` of a run of `steps` ends with an eval: every eval_every steps,
+        and the last step."""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or step == steps)
 
 log = logging.getLogger("grpo")
 

@@ -40,37 +40,34 @@ import npu_ops  # first: it sets the Ascend environment before torch (and its ba
 import torch
 import torch.distributed as dist
 
-import agents
 import batcher
 import checkpoint
+from collect import agents, partial
 import config
 import data
-import distill
 import episodes
-import evaluation
 import faults
 import fsdp_utils
 import grpo
+from modeling import seq_parallel
 import offload
-import partial
 import rewards
 import rollout
 import sampler
-import seq_parallel
-import snapshot
-import tiny_task
+from tasks import tiny_task
 import tracking
 import trainer
 import weight_sync
+from workflows import distill, snapshot
+from config import OneOf, Range
 from data import DataConfig
-from distill import DistillConfig
-from domains import OneOf, Range
 from episodes import EnvConfig
 from fsdp_utils import ModelConfig, OptimConfig
 from grpo import GRPOConfig
 from rewards import RewardConfig
 from rollout import RolloutConfig
 from tracking import LogConfig
+from workflows.distill import DistillConfig
 
 log = logging.getLogger("grpo")
 
@@ -477,7 +474,7 @@ def train_step(run: Run, replay=None) -> dict:
     run.step, run.last = step, Last(ro, scored, batch)
     # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
     metrics = step_metrics(run, update.metrics, (started, trained), replay=replay is not None)
-    if evaluation.due(run.cfg.log, step, run.cfg.train.steps):
+    if run.cfg.log.eval_due(step, run.cfg.train.steps):
         metrics.update(evaluate(run))
     log_step(run, metrics)
     run.profiler.after(step)
@@ -533,10 +530,10 @@ def memory_now() -> dict:
 
 
 def evaluate(run: Run) -> dict:
-    """The held-out eval (evaluation.run) into the step's metrics, and a few of its greedy
-    samples to eval_samples.jsonl."""
+    """The held-out eval (sampler.Sampler.evaluate) into the step's metrics, and a few of its
+    greedy samples to eval_samples.jsonl."""
     cfg = run.cfg.log
-    scores, rows = evaluation.run(run.turn, run.sampler, run.eval_examples, cfg.eval_k)
+    scores, rows = run.sampler.evaluate(run.turn, run.eval_examples, cfg.eval_k)
     run.tracker.log_samples("eval_samples.jsonl", run.step, *(r[:cfg.eval_examples] for r in rows))
     return scores
 

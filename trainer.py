@@ -23,7 +23,7 @@ import batcher
 import fsdp_utils
 import grpo
 import logprobs
-import moe
+from modeling import moe
 import tracking
 
 

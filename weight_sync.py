@@ -40,9 +40,9 @@ from torch.distributed.fsdp import FSDPModule
 
 import checkpoint
 import fsdp_utils
+from modeling import vision
 import npu_ops
 import offload
-import vision
 
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:

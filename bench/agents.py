@@ -66,11 +66,11 @@ def main():
     os.environ["BENCH_AGENT_TOKENS"] = str(args.tokens)  # the agents' worker inherits it
     sys.path.insert(0, ROOT)
     import npu_ops  # noqa: F401  (first: the platform environment before torch loads)
-    import agents
+    from collect import agents
     import data
     import episodes
     import rollout
-    import tiny_task
+    from tasks import tiny_task
     import train_grpo
     from common import shut_down
     from transformers import AutoTokenizer

@@ -62,7 +62,7 @@ def random_qwen2(hidden: int, layers: int, rank: int, heads: int = 0, kv_heads: 
     name += f"_e{experts}m{moe_intermediate}" if experts else ""
     root = os.path.join(tempfile.gettempdir(), name)
     if rank == 0 and not os.path.exists(os.path.join(root, "READY")):
-        import tiny_task
+        from tasks import tiny_task
         from transformers import (AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
                                   Qwen3MoeForCausalLM)
 

@@ -98,7 +98,7 @@ def main():
     import episodes
     import rewards
     import rollout
-    import tiny_task
+    from tasks import tiny_task
     import train_grpo
     from common import shut_down
     from transformers import AutoTokenizer

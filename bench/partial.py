@@ -54,9 +54,9 @@ def main():
     args = p.parse_args()
     sys.path.insert(0, ROOT)
     import npu_ops  # noqa: F401  (first: the platform environment before torch loads)
+    from collect import partial
     import episodes
     import grpo
-    import partial
     import records
     import rollout
     import train_grpo

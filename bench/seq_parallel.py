@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import batcher  # noqa: E402
 import fsdp_utils  # noqa: E402
-import seq_parallel  # noqa: E402
+from modeling import seq_parallel  # noqa: E402
 import trainer  # noqa: E402
 from common import random_qwen2  # noqa: E402
 from records import Sample  # noqa: E402

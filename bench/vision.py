@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default="runs/bench_vision")
     args = p.parse_args()
-    import tiny_task
+    from tasks import tiny_task
     from train_grpo import load_config
 
     cfg = load_config(args.config, [])

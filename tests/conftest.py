@@ -126,7 +126,7 @@ def read(path: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_task_dir(tmp_path_factory):
-    import tiny_task
+    from tasks import tiny_task
 
     return tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task"))
 
@@ -138,7 +138,7 @@ def tiny_vision_task(tmp_path_factory):
     lane: skipped there)."""
     import importlib.util
 
-    import tiny_task
+    from tasks import tiny_task
 
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("the tiny vision task's processor needs torchvision")
@@ -149,7 +149,7 @@ def tiny_vision_task(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tiny_task_dir, tmp_path_factory):
     """{"qwen2": model dir, "qwen3": model dir, "qwen3_moe": model dir}, same tokenizer."""
-    import tiny_task
+    from tasks import tiny_task
 
     qwen3 = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny3") / "task"), arch="qwen3")
     moe = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tinymoe") / "task"),
@@ -166,7 +166,7 @@ def tiny_hybrid(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import tiny_task
+    from tasks import tiny_task
 
     root = tiny_task.ensure_tiny_task(str(tmp_path_factory.mktemp("tiny35") / "task"),
                                       arch="qwen3_5")
@@ -194,7 +194,7 @@ def tiny_vl_hybrid(tmp_path_factory):
                               Qwen3_5ForConditionalGeneration, Qwen3VLProcessor,
                               Qwen3VLVideoProcessor)
 
-    import tiny_task
+    from tasks import tiny_task
 
     vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok = tiny_task.train_tokenizer([r["prompt"] + r["answer"] for r in tiny_task.make_prompts()])

@@ -136,13 +136,18 @@ def become(job: dict, rank: int, port: int, started_with: dict) -> None:
     os.environ.update(job["env"], **rank_env(job, rank, port))
     first = job["argv"][0]
     extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    here = "" if first == "-c" else os.path.dirname(os.path.abspath(first))
+    here = {"-c": "", "-m": os.getcwd()}.get(first, os.path.dirname(os.path.abspath(first)))
     sys.path[:1] = [here, *[p for p in extra if p not in sys.path]]
     sys.argv = list(job["argv"])
 
 
 def run_main() -> None:
-    """sys.argv run as `python` runs it: a script, or `-c CODE`, as the module `__main__`."""
+    """sys.argv run as `python` runs it: a script, `-m MODULE` or `-c CODE`, as the module
+    `__main__`."""
+    if sys.argv[0] == "-m":
+        sys.argv[:2] = sys.argv[1:2]  # run_module puts the module's file in sys.argv[0]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        return
     if sys.argv[0] != "-c":
         runpy.run_path(sys.argv[0], run_name="__main__")
         return

@@ -9,11 +9,9 @@ import math
 import pytest
 import torch
 
-import agents
-import envs
+from collect import agents, envs, openai_api
 import episodes
-import openai_api
-import tiny_task
+from tasks import tiny_task
 from conftest import launch, run_python
 from test_templates import chat_tokenizer
 

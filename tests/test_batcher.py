@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import batcher
+from collect import partial
 import grpo
-import partial
 import reference
 import rollout
 from records import Sample

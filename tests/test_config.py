@@ -299,7 +299,7 @@ def test_an_error_inside_another_library_keeps_its_traceback(tiny_task_dir, tmp_
 def test_every_field_has_a_domain_and_refuses_values_outside_it(tiny_task_dir):
     """Walks the config tree: every field states its domain (config.fields raises for one that
     does not), and each value outside it (zero, negative, non-finite, an unknown name, absurdly
-    large where a bound exists: domains.Domain.outside) ends in config.BadInput, one line naming
+    large where a bound exists: config.Domain.outside) ends in config.BadInput, one line naming
     that field, before anything loads; a wrong type fails at load time, naming the field too."""
     import copy
     import dataclasses

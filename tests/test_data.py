@@ -27,7 +27,7 @@ ROWS = [{"prompt": "1+2=", "answer": "3", "id": 0},
 
 @pytest.fixture(scope="module")
 def tok():
-    import tiny_task
+    from tasks import tiny_task
 
     t = tiny_task.train_tokenizer([string.printable])  # every printable character is one token
     t.chat_template = TEMPLATE

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-import kernels
+from modeling import kernels
 import npu_ops
-import tiny_task
+from tasks import tiny_task
 from conftest import ROOT, launch, python_path
 
 DEVICE = npu_ops.device_type()

@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import batcher
 import config
-import distill
 import fsdp_utils
 import reference
 import trainer
+from workflows import distill
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config, resolve

@@ -36,7 +36,12 @@ from conftest import ROOT, run_python
 pytestmark = pytest.mark.main_only  # the docs against the code: no library version enters it
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))]
-MODULES = {os.path.basename(p)[:-3] for p in glob.glob(f"{ROOT}/*.py")}
+# the product's modules by the name call sites use (`partial.PartialRollout`), and where each is
+MODULES = {os.path.relpath(p, ROOT)[:-3].split(os.sep)[-1]: os.path.relpath(p, ROOT)[:-3].replace(
+    os.sep, ".") for p in glob.glob(f"{ROOT}/*.py") + glob.glob(f"{ROOT}/*/*.py")
+    if os.path.relpath(p, ROOT).split(os.sep)[0] in ("collect", "modeling", "workflows", "devices",
+                                                     "tasks") or os.sep not in os.path.relpath(p, ROOT)}
+MODULES.pop("__init__", None)
 ROOT_ENTRIES = set(os.listdir(ROOT)) - {".git", ".venv", "__pycache__", "runs"}
 CHECKED_EXT = (".py", ".yaml", ".sh", ".md", ".txt")  # a bare name with these must be a file here
 FILE_EXT = CHECKED_EXT + (".json", ".jsonl", ".safetensors", ".pt", ".png", ".cpp", ".parquet")
@@ -133,7 +138,8 @@ def attribute_path(obj, parts: list[str]) -> bool:
 
 def resolves(name: str) -> bool:
     parts = name.split(".")
-    if parts[0] in MODULES and attribute_path(importlib.import_module(parts[0]), parts[1:]):
+    if parts[0] in MODULES and attribute_path(importlib.import_module(MODULES[parts[0]]),
+                                              parts[1:]):
         return True
     return config_field(parts) or name in NOT_CONFIG
 
@@ -162,7 +168,7 @@ def repo_files() -> tuple[str, ...]:
 def code_strings() -> set[str]:
     """The string constants of the root modules: the files a run writes ("config.yaml")."""
     out = set()
-    for path in glob.glob(f"{ROOT}/*.py"):
+    for path in {os.path.join(ROOT, *m.split(".")) + ".py" for m in MODULES.values()}:
         with open(path) as f:
             out |= {n.value for n in ast.walk(ast.parse(f.read()))
                     if isinstance(n, ast.Constant) and isinstance(n.value, str)}
@@ -435,28 +441,26 @@ def check_pytest(args: list[str]) -> str:
 
 
 def check_variants(args: list[str], nproc: int, tiny_task_dir: str) -> str:
-    """variants.py ARGS: --help runs; the run's --config and overrides check out as
+    """python -m workflows.variants ARGS: --help runs; the run's --config and overrides check out as
     check_training's do, and each --variant's overrides load on that config."""
     import config
     import train_grpo
-    import variants
+    from workflows import variants
 
-    rc, out = run_help("variants.py", "--help")
+    rc, out = run_help("-m", "workflows.variants", "--help")
     assert rc == 0, out[-2000:]
     known, overrides = variants.parser().parse_known_args(args)
     check_training(["--config", known.config, *overrides], nproc, tiny_task_dir)
     cfg = train_grpo.load_config(os.path.join(ROOT, known.config), overrides)
     for text in known.variant:
         config.override(cfg, variants.parse_variant(text)[1])
-    return "variants.py"
+    return "workflows.variants"
 
 
 def check_script(script: str, args: list[str], nproc: int, tiny_task_dir: str) -> str:
     """`python SCRIPT ARGS` or `torchrun ... SCRIPT ARGS`, by script."""
     if script == "train_grpo.py":
         return check_training(args, nproc, tiny_task_dir)
-    if script == "variants.py":
-        return check_variants(args, nproc, tiny_task_dir)
     if script.startswith("bench/"):
         return check_bench(script, args)
     if script.startswith("scripts/") and script.endswith(".py"):
@@ -487,6 +491,8 @@ def check_command(cmd: list[str], tiny_task_dir: str) -> str:
         return check_script(args[at], args[at + 1:], nproc, tiny_task_dir)
     if python and args[:2] == ["-m", "pytest"]:
         return check_pytest(args[2:])
+    if python and args[:2] == ["-m", "workflows.variants"]:
+        return check_variants(args[2:], 1, tiny_task_dir)
     if python and args[:1] == ["-c"]:
         compile(args[1], "<python -c>", "exec")
         return "python -c"

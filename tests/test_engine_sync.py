@@ -52,7 +52,7 @@ def test_a_pushed_hybrid_with_experts_is_the_one_vllm_loads(tmp_path_factory, tp
     and the shared expert's gate/up, two Gated DeltaNet pairs) do not (push_equals_load.py says
     why this check and not a rounding bound)."""
     import rollout
-    import tiny_task
+    from tasks import tiny_task
 
     if rollout.engine_lacks(["Qwen3_5MoeForCausalLM"]):
         pytest.skip("this vLLM has no text-only Qwen3.5 (refused, as the dense test checks)")

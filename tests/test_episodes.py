@@ -4,7 +4,7 @@ are the model's, the limits, and environments that hang or raise; the built-in e
 
 import pytest
 
-import envs
+from collect import envs
 import episodes
 from records import Sample
 

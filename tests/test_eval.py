@@ -3,11 +3,10 @@
 import torch.distributed as dist
 
 import episodes
-import evaluation
 import rewards
 import rollout
 import sampler
-import tiny_task
+from tasks import tiny_task
 import weight_sync
 from records import Sample
 from rollout import RolloutConfig
@@ -16,7 +15,7 @@ from train_grpo import Config
 
 class ScriptedEngine:
     """Answers prompt i greedily with greedy[i] and, sampled, with sampled[i] (k answers); records
-    the weight push and the sleep that evaluation.run() owes the engine."""
+    the weight push and the sleep that sampler.Sampler.evaluate owes the engine."""
 
     def __init__(self, greedy, sampled):
         self.cfg, self.greedy, self.sampled = RolloutConfig(dtype="float32"), greedy, sampled
@@ -60,7 +59,7 @@ def test_pass1_and_mean_at_k_against_a_hand_count(tmp_path):
             turn = weight_sync.EngineTurn(actor, None, engine, offload_on=False)
             plays = sampler.Sampler(Config(), engine, one_turn, scorer, [], rollout.EngineGroup(1),
                                     None)
-            scores, (part, texts, per_example) = evaluation.run(turn, plays, examples, k=3)
+            scores, (part, texts, per_example) = plays.evaluate(turn, examples, k=3)
         assert scores == {"eval_pass1": 3 / 5, "eval_mean_at_k": 8 / 15}
         assert texts == greedy and per_example == [1.0, 1.0, 0.0, 1.0, 0.0]
         # the update since the rollout is pushed first, and the engine sleeps again after

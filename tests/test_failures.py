@@ -7,7 +7,7 @@ import torch
 
 import grpo
 import reference
-import tiny_task
+from tasks import tiny_task
 import trainer
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)

@@ -11,10 +11,10 @@ import grpo
 import tracking
 from grpo import (LOSS_AGGS, GRPOConfig, constant_groups, group_advantages, kl_penalty,
                   mismatch_weights, overlong_penalty, take_groups)
-from trainer import mismatch_stats, split_mini_batches
 from logprobs import plan_micro_batches
 from records import Sample
 from reference import masked_entropy_sum, pad_batch, token_logprobs
+from trainer import mismatch_stats, split_mini_batches
 
 
 def tokens_of(old, adv, mask, g, n_tokens, n_seqs, max_len, is_weight=None, ref_logp=None):

@@ -23,10 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
-import hybrid
 import logprobs
+from modeling import hybrid
 import reference
-import tiny_task
+from tasks import tiny_task
 from records import Sample
 from test_packing import world_of_one  # noqa: F401 (fixture)
 

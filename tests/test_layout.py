@@ -1,5 +1,6 @@
-"""The shape of the codebase: the import DAG, which file may touch vllm, torch_npu, FSDP, how long
-a unit may grow, and that the product modules hold no code that only tests call."""
+"""The shape of the codebase: the core at the top and the optional capabilities in role folders,
+the import DAG, which file may touch vllm, torch_npu, FSDP, how long a unit may grow, and that
+the product modules hold no code that only tests call."""
 
 import ast
 import glob
@@ -14,20 +15,24 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.main_only  # the code's shape: no library version enters it
 
-# file -> project modules it may import (the README's file map; tiny_task is the built-in task)
+# the role folders (the README's file map): what a plain GRPO step needs is at the top
+FOLDERS = ("collect", "modeling", "workflows", "devices", "tasks")
+MAX_TOP_LEVEL = 20
+
+# module -> project modules it may import, by module name (the README's file map)
 ALLOWED = {
-    "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "domains": set(),
+    "ascend_checks": set(), "npu_ops": {"ascend_checks"}, "plugins": set(), "config": set(),
     "tiny_task": set(), "sandbox": set(), "sandbox_child": set(),  # the Python tool's child
-    "rewards": {"plugins", "records", "domains"}, "data": {"domains", "plugins", "vision"},
-    "tracking": {"domains"},
+    "rewards": {"plugins", "records", "config"}, "data": {"config", "plugins", "vision"},
+    "tracking": {"config"},
     "offload": {"npu_ops", "checkpoint"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
-    "hybrid": {"domains", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
-    "fsdp_utils": {"npu_ops", "offload", "domains", "kernels", "moe", "seq_parallel", "hybrid",
+    "hybrid": {"config", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
+    "fsdp_utils": {"npu_ops", "offload", "config", "kernels", "moe", "seq_parallel", "hybrid",
                    "vision", "checkpoint"},
     "checkpoint": {"npu_ops"},
     "records": {"tracking"},  # what a rollout produced: Sample, Generated, Rollout
-    "rollout": {"npu_ops", "records", "domains"},  # the engine, engine groups
+    "rollout": {"npu_ops", "records", "config"},  # the engine, engine groups
     "partial": {"grpo", "records", "rollout", "tracking"},  # carried groups across steps
     "weight_sync": {"npu_ops", "fsdp_utils", "offload", "checkpoint", "vision"},  # the push
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
@@ -35,29 +40,28 @@ ALLOWED = {
     "vision": set(),  # images in prompts: their records, their positions in a packed row
     "logprobs": {"moe", "seq_parallel", "vision"},  # the model's logprobs: packing, output layer
     # the algorithm's formulas: nothing of engines, files or sharding
-    "grpo": {"tracking", "domains"},
+    "grpo": {"tracking", "config"},
     # the update's machinery: the loop over a batch, micro-batches, the fused pass's objective
     "trainer": {"batcher", "fsdp_utils", "grpo", "logprobs", "moe", "tracking"},
     # on-policy distillation: the teacher, its pass, per-token advantages
-    "distill": {"batcher", "fsdp_utils", "logprobs", "tracking", "domains"},
+    "distill": {"batcher", "fsdp_utils", "logprobs", "tracking", "config"},
     "envs": {"plugins", "sandbox"},
-    "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "domains", "vision"},
+    "episodes": {"envs", "plugins", "records", "rollout", "sandbox", "config", "vision"},
     "openai_api": set(),  # the chat-completions wire format, the HTTP endpoint that serves it
     # agents that speak OpenAI: an endpoint over the engine, their calls as samples
     "agents": {"envs", "episodes", "openai_api", "partial", "plugins", "records",
                "rollout"},
-    "sampler": {"agents", "grpo", "partial", "records", "rollout"},  # a step's rollout, one call
+    # a step's rollout, in one call; held-out prompts
+    "sampler": {"agents", "grpo", "partial", "records", "rollout", "tracking"},
     # a scored rollout -> this rank's Batch, its transforms and the passes without gradient
     "batcher": {"fsdp_utils", "logprobs", "records", "rollout", "tracking"},
-    "evaluation": {"records", "tracking"},  # held-out pass@1 and mean@k
     "snapshot": {"checkpoint", "npu_ops", "offload"},  # a run's state held aside, put back
     "faults": set(),  # a stop signal, non-finite steps: what the loop does about them
     # variants of the update on the same rollouts from one snapshot
-    "variants": {"config", "domains", "evaluation", "snapshot", "tracking", "train_grpo"},
-    "config": {"domains"},  # walks the sections' own checks: imports none of their modules
+    "variants": {"config", "snapshot", "tracking", "train_grpo"},
     "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "domains", "partial", "evaluation", "sampler", "distill", "seq_parallel",
+                   "partial", "sampler", "distill", "seq_parallel",
                    "batcher", "snapshot", "faults", "trainer"},
 }
 
@@ -70,34 +74,86 @@ def top_level_files():
     return sorted(glob.glob(os.path.join(ROOT, "*.py")))
 
 
+def product_files():
+    """The product's modules: the top level's and the role folders' (their __init__ aside)."""
+    return top_level_files() + sorted(
+        p for f in FOLDERS for p in glob.glob(os.path.join(ROOT, f, "*.py"))
+        if not p.endswith("__init__.py"))
+
+
 def imports(path):
+    """The names of what a file imports: a module of a role folder by its own name
+    (`from collect import partial`, `from workflows.distill import DistillConfig`: partial,
+    distill), anything else by its first dotted part."""
     names = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name.split(".")[0] if a.name.split(".")[0] not in FOLDERS
+                      else a.name.split(".")[1] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
+            first, *rest = node.module.split(".")
+            if first not in FOLDERS:
+                names.add(first)
+            else:
+                names |= {rest[0]} if rest else {a.name for a in node.names}
     return names
 
 
-def test_every_top_level_file_is_known():
-    assert {os.path.basename(p)[:-3] for p in top_level_files()} == set(ALLOWED)
+def test_every_product_file_is_known():
+    assert {os.path.basename(p)[:-3] for p in product_files()} == set(ALLOWED)
+
+
+def test_the_core_is_at_the_top_and_the_rest_in_role_folders():
+    """At most MAX_TOP_LEVEL modules at the top, every other one in a role folder (a package
+    whose __init__ says its role); no other folder holds product code."""
+    assert len(top_level_files()) <= MAX_TOP_LEVEL, [os.path.basename(p) for p in
+                                                      top_level_files()]
+    for folder in FOLDERS:
+        with open(os.path.join(ROOT, folder, "__init__.py")) as f:
+            assert ast.get_docstring(ast.parse(f.read())), f"{folder}/__init__.py: its role?"
+    others = {os.path.relpath(p, ROOT).split(os.sep)[0] for p in
+              glob.glob(os.path.join(ROOT, "*", "**", "*.py"), recursive=True)}
+    assert others - set(FOLDERS) <= {"tests", "bench", "scripts", "examples", ".venv",
+                                     ".venv-npu-torch", ".venv-npu-engine", "runs"}, others
 
 
 def test_import_dag():
-    for path in top_level_files():
+    for path in product_files():
         mod = os.path.basename(path)[:-3]
         project = imports(path) & set(ALLOWED)
         assert project <= ALLOWED[mod], f"{mod} imports {project - ALLOWED[mod]}"
+    for mod in ALLOWED:  # and no module imports itself, however far round
+        assert mod not in closure(mod), f"{mod} imports itself through {closure(mod)}"
+
+
+def closure(module: str) -> set:
+    """The project modules `module` imports, directly or through others."""
+    paths = {os.path.basename(p)[:-3]: p for p in product_files()}
+    seen, todo = set(), [module]
+    while todo:
+        for name in imports(paths[todo.pop()]) & set(paths):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def test_the_sampler_needs_none_of_the_actors_machinery():
+    """Collecting a rollout imports nothing that trains: the sampler's closure holds the engine,
+    the episodes, the algorithm's formulas, never the actor's modules."""
+    found = closure("sampler")
+    assert {"grpo", "rollout", "episodes"} <= found  # the check sees through imports
+    assert not found & {"fsdp_utils", "logprobs", "checkpoint", "offload", "kernels", "hybrid",
+                        "trainer", "batcher"}, found
 
 
 def test_only_rollout_imports_vllm():
-    users = [os.path.basename(p) for p in top_level_files() if "vllm" in imports(p)]
+    users = [os.path.relpath(p, ROOT) for p in product_files() if "vllm" in imports(p)]
     assert users == ["rollout.py"]
 
 
 def test_only_fsdp_utils_shards():
-    users = [os.path.basename(p) for p in top_level_files()  # FSDP2's fully_shard, the word
+    users = [os.path.relpath(p, ROOT) for p in product_files()  # FSDP2's fully_shard, the word
              if re.search(r"\bfully_shard\b", open(p).read())]  # (not vLLM's fully_sharded_loras)
     assert users == ["fsdp_utils.py"]
 
@@ -108,14 +164,18 @@ def test_device_names_only_in_npu_ops():
     files = [p for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
              if not os.path.relpath(p, ROOT).startswith(("tests", ".", "runs"))]
     users = sorted(os.path.relpath(p, ROOT) for p in files if word.search(open(p).read()))
-    assert users == ["ascend_checks.py", "npu_ops.py"]  # the device layer, its start-up checks
+    assert users == ["devices/ascend_checks.py", "npu_ops.py"]  # the device layer, its checks
 
 
 def test_nothing_runs_at_import():
     code = ("import sys, torch.distributed as dist\n"
-            "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, tiny_task\n"
-            "import grpo, config, tracking, checkpoint, data, plugins, envs, episodes, logprobs\n"
-            "import offload, domains, sandbox\n"
+            "import train_grpo, rollout, weight_sync, fsdp_utils, rewards, npu_ops, trainer\n"
+            "import grpo, config, tracking, checkpoint, data, plugins, episodes, logprobs\n"
+            "import offload, batcher, sampler, records, faults\n"
+            "from collect import agents, envs, openai_api, partial, sandbox\n"
+            "from modeling import hybrid, kernels, moe, seq_parallel, vision\n"
+            "from workflows import distill, snapshot, variants\n"
+            "from tasks import tiny_task\n"
             "assert 'vllm' not in sys.modules, 'vllm imported at import time'\n"
             "assert not dist.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -127,7 +187,7 @@ def test_units_stay_short():
     """Every function (method included) of a product module at most MAX_FUNCTION_LINES lines,
     every class at most MAX_CLASS_LINES, docstrings and comments counted."""
     long = []
-    for path in top_level_files():
+    for path in product_files():
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 cap = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
@@ -142,7 +202,7 @@ def test_no_product_function_only_tests_call():
     benches call belongs in tests/ (tests/reference.py) or the bench. Names are matched alone,
     whatever their module: a collision can hide one, never invent one."""
     defined, named = {}, set()
-    for path in top_level_files():
+    for path in product_files():
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 defined.setdefault(node.name, os.path.basename(path))

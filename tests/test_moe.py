@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdp_utils
 import logprobs
-import moe
+from modeling import moe
 import reference
 import rollout
 from logprobs import micro_batch

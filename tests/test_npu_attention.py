@@ -18,7 +18,7 @@ import fsdp_utils
 import logprobs
 import npu_ops
 import reference
-import tiny_task
+from tasks import tiny_task
 from records import Sample
 
 

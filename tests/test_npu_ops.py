@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-import ascend_checks
-import kernels
+from devices import ascend_checks
+from modeling import kernels
 import npu_ops
-import tiny_task
+from tasks import tiny_task
 
 from conftest import ROOT
 

@@ -21,7 +21,7 @@ import fsdp_utils
 import grpo
 import logprobs
 import reference
-import tiny_task
+from tasks import tiny_task
 import trainer
 from records import Sample
 
@@ -181,8 +181,8 @@ def test_ulysses_rows_respect_the_fused_kernels_cap_padding_included():
     sdpa there is no limit."""
     import types
 
+    from modeling import seq_parallel
     import npu_ops
-    import seq_parallel
 
     split = seq_parallel.Split(group=None, rank=0, size=2)
     fused = types.SimpleNamespace(
@@ -242,7 +242,7 @@ def test_compiled_kernels_match_transformers_and_compile_once(arch, graphs, worl
     graph per function and input rank (qwen3's per-head norms take 4-d input: 4 graphs, not 3).
     Compiled for fixed shapes, each new row length would compile again, on a GPU at every
     micro-batch of a run's first steps."""
-    import kernels
+    from modeling import kernels
     from torch._dynamo.utils import counters
 
     model, samples = model_for(arch), varied_samples()

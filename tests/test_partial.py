@@ -8,9 +8,9 @@ import types
 
 import pytest
 
+from collect import partial
 import episodes
 import grpo
-import partial
 import records
 from test_packing import model_for, world_of_one  # noqa: F401 (fixture)
 from train_grpo import load_config

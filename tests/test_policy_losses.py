@@ -397,3 +397,40 @@ def test_the_modes_are_trls_formula(cap_low):
         got = grpo.mismatch_weights(old, engine, mask, ours, cap, cap_low) * mask
         assert (got - want).abs().max() <= 1e-12 * want.abs().max(), ours
         assert (want == 0).sum() > (mask == 0).sum() or theirs.endswith("truncate"), ours
+
+
+def test_the_worked_example_of_a_new_loss_trains_as_the_docs_say(monkeypatch):
+    """docs/algorithm.md's worked example, applied as a reader would: its function, named in
+    grpo.policy_surrogate, becomes each token's surrogate in grpo.grpo_loss, ratio and weight
+    as before. The loss and its gradient against the formula by hand (fp64): the ratio capped
+    at 1 + clip_high where A > 0, free elsewhere; and they differ from ppo's."""
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "algorithm.md")) as f:
+        page = f.read()
+    code = re.search(r"A worked example.*?```python\n(.*?)```", page, re.DOTALL).group(1)
+    found = {"torch": torch}
+    exec(code, found)  # noqa: S102  (the page's own code)
+    real = grpo.policy_surrogate
+    monkeypatch.setattr(grpo, "policy_surrogate", lambda logp, old, ratio, t, cfg: (
+        found["upper_clip"](ratio, t.adv, cfg.clip_high) if cfg.policy_loss == "upper_clip"
+        else real(logp, old, ratio, t, cfg)))
+    gen = torch.Generator().manual_seed(4)
+    old = -torch.rand(12, generator=gen, dtype=torch.float64)
+    log_ratio = torch.tensor([0.3, 0.3, -0.3, -0.3, 0.05, -0.05] * 2, dtype=torch.float64)
+    logp = (old + log_ratio).requires_grad_()  # ratios past the cap, below it, near 1
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 3, dtype=torch.float64)
+    coef = torch.full((12,), 1 / 12, dtype=torch.float64)
+    t = grpo.Tokens(adv=adv, coef=coef, written=torch.ones_like(adv), engine=old, old=old)
+    g = GRPOConfig(is_correction="none", clip_high=0.1)
+    g.policy_loss = "upper_clip"  # (as if POLICY_LOSSES named it)
+    loss, cut = grpo.grpo_loss(logp, t, g)
+    (grad,) = torch.autograd.grad(loss, logp)
+    ratio = (logp - old).exp()
+    by_hand = -(torch.where(adv > 0, ratio.clamp(max=1.1), ratio) * adv * coef).sum()
+    (want,) = torch.autograd.grad(by_hand, logp)
+    assert abs(loss - by_hand) < 1e-14 and (grad - want).abs().max() < 1e-14
+    assert int(cut) == int(((adv > 0) & (ratio > 1.1)).sum()) > 0
+    g.policy_loss = "ppo"
+    assert abs(grpo.grpo_loss(logp, t, g)[0] - loss) > 1e-6

@@ -44,12 +44,12 @@ def test_variants_replay_one_rollout_as_predicted(tiny_task_dir, tmp_path):
 
 @pytest.mark.main_only  # the command line's plumbing over compare (tested above)
 def test_the_command_line_compares_and_refuses_in_one_line(tiny_task_dir, tmp_path):
-    """variants.py: a run's step, then two variants for two steps on the same rollouts, their
+    """python -m workflows.variants: a run's step, then two variants for two steps on the same rollouts, their
     table and metrics; the run's own files hold its step alone. A variant that would change the
     sampling is refused with one line naming the field, before any model loads."""
     import json
 
-    common = ["variants.py", "--config", "configs/tiny_cpu.yaml",
+    common = ["-m", "workflows.variants", "--config", "configs/tiny_cpu.yaml",
               f"--data.tiny_task_dir={tiny_task_dir}", f"--log.out_dir={tmp_path}/run",
               "--grpo.prompts_per_step=16", "--log.eval_every=0"]
     proc = run_python([*common, "--before", "1", "--steps", "2", "--evaluate", "--variant", "ppo",

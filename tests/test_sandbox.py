@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-import sandbox
+from collect import sandbox
 
 pytestmark = pytest.mark.main_only  # the kernel's confinement: no library version enters
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-import snapshot
+from workflows import snapshot
 
 
 class Positions:

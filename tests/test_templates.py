@@ -10,7 +10,7 @@ import string
 import pytest
 
 import episodes
-import tiny_task
+from tasks import tiny_task
 from records import Sample
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")

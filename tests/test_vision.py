@@ -22,10 +22,9 @@ import pytest
 import torch
 
 import fsdp_utils
-import hybrid
 import logprobs
+from modeling import hybrid, vision
 import reference
-import vision
 from records import Sample
 from test_hybrid import logp_packed_and_alone  # the same pass, packed and each alone
 from test_packing import world_of_one  # noqa: F401 (fixture)

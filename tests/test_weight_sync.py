@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import fsdp_utils
-import tiny_task
-from conftest import launch
+from tasks import tiny_task
 import weight_sync
+from conftest import launch
 from rollout import RolloutConfig
 
 

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__)))  # (tests/workers: engines)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests
-import agents  # noqa: E402
+from collect import agents  # noqa: E402
+from collect import openai_api  # noqa: E402
 import engines  # noqa: E402
 import episodes  # noqa: E402
-import openai_api  # noqa: E402
 import rollout  # noqa: E402
 from reference import token_logprobs  # noqa: E402
 

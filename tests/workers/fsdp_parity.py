@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 import fsdp_utils
 from records import Sample
 from tests.reference import batch_of
-from trainer import accumulate_gradients, settings
 from train_grpo import Config, init_distributed
+from trainer import accumulate_gradients, settings
 
 model_dir, reshard, ckpt = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 rank, world = init_distributed()

@@ -2,7 +2,7 @@
 as Ctrl-C in a notebook would, when `ARMED` is set (tests/workers/caught_error.py sets it),
 otherwise the built-in task's; and a reward that gives every sample 0."""
 
-import envs
+from collect import envs
 import rewards
 
 ARMED = False

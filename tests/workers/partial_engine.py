@@ -16,11 +16,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
+from collect import partial
 import engines
 import episodes
 import fsdp_utils
 import grpo
-import partial
 import records
 import rollout
 import weight_sync

@@ -4,7 +4,7 @@ inherit the rank's environment: RANK is the calling rank's."""
 
 import os
 
-import envs
+from collect import envs
 import rewards
 
 

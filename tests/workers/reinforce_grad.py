@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 import fsdp_utils
 import logprobs
 import offload
-from records import Sample
 from grpo import LOSS_AGGS
+from records import Sample
 from tests.reference import batch_of, update
 from train_grpo import Config, init_distributed
 from trainer import settings as make_settings, split_mini_batches

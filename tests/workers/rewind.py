@@ -101,7 +101,7 @@ def predicted_losses(run, last, names_cfgs) -> dict:
 def variants(run) -> None:
     import dataclasses
 
-    from variants import compare
+    from workflows.variants import compare
 
     train_step(run)
     snap = run.snapshot()

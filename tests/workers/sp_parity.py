@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import batcher
 import fsdp_utils
 import logprobs
-import seq_parallel
+from modeling import seq_parallel
 import trainer
 from records import Sample
 from tests.reference import batch_of

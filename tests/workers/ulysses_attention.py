@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_utils
-import seq_parallel
+from modeling import seq_parallel
 
 dist.init_process_group("gloo")
 rank, sp = dist.get_rank(), dist.get_world_size()

@@ -27,8 +27,8 @@ import data
 import engines
 import fsdp_utils
 import logprobs
+from modeling import vision
 import rollout
-import vision
 import weight_sync
 from records import Sample
 

@@ -49,7 +49,7 @@ import batcher
 import fsdp_utils
 import logprobs
 import tracking
-from domains import Anything, BadInput, OneOf, Range
+from config import Anything, BadInput, OneOf, Range
 
 
 @dataclass

@@ -23,8 +23,8 @@ import math
 import re
 import weakref
 
+from collect import sandbox
 import plugins
-import sandbox
 
 
 def retry(messages: list[dict], example: dict):

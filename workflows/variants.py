@@ -2,7 +2,7 @@
 side: `compare(run, variants, steps)`, in a notebook (world size 1) or on every rank.
 
     from train_grpo import load_config, setup, train_step
-    from variants import compare
+    from workflows.variants import compare
     run = setup(load_config("configs/tiny_cpu.yaml", ["--log.out_dir=/tmp/run"]))
     for _ in range(20):
         train_step(run)
@@ -11,7 +11,7 @@ side: `compare(run, variants, steps)`, in a notebook (world size 1) or on every 
 
 or from the shell, a fresh run (`--before` steps first) and its table (`main`):
 
-    python variants.py --config configs/tiny_cpu.yaml --before 20 --steps 3 \\
+    python -m workflows.variants --config configs/tiny_cpu.yaml --before 20 --steps 3 \\
         --variant ppo --variant "cispo: --grpo.policy_loss=cispo --grpo.clip_high=4"
 
 How: a snapshot of the run (train_grpo.Run.snapshot); the first variant collects `steps`
@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 
 import config
-import evaluation
-import snapshot
 import tracking
 import train_grpo
-from domains import BadInput
+from workflows import snapshot
+from config import BadInput
 
 # grpo's fields that shape the rollout or its groups, not its update
 COLLECTING = ("grpo.group_size", "grpo.prompts_per_step", "grpo.dynamic_sampling",
@@ -137,7 +136,7 @@ def compare(run, variants: dict, steps: int = 1, evaluate: bool = False) -> Comp
     """Train each of `variants` ({name: [--section.key=value, ...]}, the first usually [] for
     the run's own config) for `steps` steps from the run's state now, on the same rollouts
     (module docstring); with `evaluate`, the held-out eval of each after its steps
-    (evaluation.run: log.eval_k's mean@k too). The run is back where it was afterwards. Every
+    (sampler.Sampler.evaluate: log.eval_k's mean@k too). The run is back where it was afterwards. Every
     rank must call, with the same arguments. Holds a snapshot (run.snapshot) and one more copy
     of the trained parameters in host memory."""
     if not variants or steps < 1:
@@ -169,8 +168,8 @@ def compare(run, variants: dict, steps: int = 1, evaluate: bool = False) -> Comp
             rows[-1]["apart"] = distance(run.actor, first)
             out.metrics[name] = rows
             if evaluate:
-                scores, _ = evaluation.run(run.turn, run.sampler, run.eval_examples,
-                                           run.cfg.log.eval_k)
+                scores, _ = run.sampler.evaluate(run.turn, run.eval_examples,
+                                                 run.cfg.log.eval_k)
                 out.evals[name] = scores
     finally:
         run.tracker, run.profiler = parts

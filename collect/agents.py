@@ -43,9 +43,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import envs
+from collect import envs, openai_api
 import episodes
-import openai_api
 import plugins
 import records
 import rollout

@@ -29,7 +29,7 @@ import importlib.util
 import torch
 
 import npu_ops
-from domains import BadInput, need
+from config import BadInput, need
 
 # the oldest transformers whose Gated DeltaNet layer calls these module-level functions with the
 # row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none (_attach)

@@ -5,7 +5,7 @@ a fresh machine with no model download. The model is tiny (hidden 128, head_dim 
 it is a real Qwen2 checkpoint: the trainer, the vLLM engine and the weight sync treat it exactly as
 they would treat Qwen2.5-7B.
 
-    python tiny_task.py /tmp/tiny      # or let train_grpo.py call ensure_tiny_task(...)
+    python -m tasks.tiny_task /tmp/tiny      # or let train_grpo.py call ensure_tiny_task(...)
 
 Files written under `root`: `model/` (config, safetensors, tokenizer), `train.jsonl`, `test.jsonl`.
 Each jsonl row is {"prompt": "3+4=", "answer": "7"}.
