@@ -303,6 +303,24 @@ def _section_fields(section, name: str):
         yield f"{name}.{f.name}", value, found[0], default
 
 
+def live_fields(cfg) -> set[str]:
+    """The dotted names of the fields a built run takes a change of between steps: those its
+    section's dataclass names in its LIVE (train_grpo.configure applies them to every part that
+    uses them); the run built a part of its own with each other field at setup."""
+    out = set()
+    for f in dataclasses.fields(cfg):
+        out |= _live(getattr(cfg, f.name), f.name)
+    return out
+
+
+def _live(section, name: str) -> set[str]:
+    out = {f"{name}.{key}" for key in getattr(type(section), "LIVE", ())}
+    for f in dataclasses.fields(section):
+        if dataclasses.is_dataclass(value := getattr(section, f.name)):
+            out |= _live(value, f"{name}.{f.name}")
+    return out
+
+
 def field_comments(section: type) -> dict[str, str]:
     """{field: its comment} of a section's dataclass, read from its source: the comment lines
     just above the field, the comment on its own line, and the `#   ` lines that continue it."""

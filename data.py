@@ -28,6 +28,7 @@ LOADS = "checked when the data loads (load_examples), against the files, hub and
 
 @dataclass
 class DataConfig:
+    LIVE = ()  # between steps (train_grpo.configure): none, all loaded at setup
     # hub dataset id "org/name", a .parquet/.jsonl/.json file, or a save_to_disk dir
     path: Annotated[str, Anything(LOADS)] = ""
     # split of a hub dataset or a saved DatasetDict (files have one: ignored)

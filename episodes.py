@@ -41,6 +41,7 @@ log = logging.getLogger("grpo")
 
 @dataclass
 class EnvConfig:
+    LIVE = ()  # between steps (train_grpo.configure): none, its runner is built of them
     # "" = one turn per sample; else a built-in (envs.ENVS), mod:fn or file.py:fn; with kind
     #   agent, the agent: an `async def` mod:fn or file.py:fn (envs.AGENT_SIGNATURE)
     name: Annotated[str, Anything("validate resolves it", refused=("nope",))] = ""

@@ -9,6 +9,7 @@ Parameters stay fp32 (the optimizer's master copy); `MixedPrecisionPolicy` casts
 """
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ LORA_MODULES_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "ou
 
 @dataclass
 class LoraConfig:
+    LIVE = ()  # between steps (train_grpo.configure): none, built into the actor
     # adapters of this rank on a frozen base (peft); 0: off, every weight trained
     rank: Annotated[int, Range(0, 512)] = 0
     alpha: Annotated[float, Range(0, lo_open=True)] = 16.0  # the update is scaled by alpha / rank
@@ -58,6 +60,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    LIVE = ()  # between steps (train_grpo.configure): none, built into the actor and engine
     # local directory or hub id of a HF causal LM (Qwen2/Qwen3 tested)
     path: Annotated[str, Anything("config.validate: a directory with config.json, or a hub id",
                                   refused=("no/such/dir/x",))] = ""
@@ -189,6 +192,8 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    # between steps (train_grpo.configure): these; the schedule is built of the rest
+    LIVE = ("lr", "weight_decay", "beta1", "beta2", "grad_clip", "max_nonfinite")
     lr: Annotated[float, Range(0, 1, lo_open=True)] = 1e-6  # AdamW's peak learning rate
     weight_decay: Annotated[float, Range(0, 1)] = 0.0  # AdamW's decoupled weight decay
     beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9  # AdamW's first-moment decay
@@ -555,9 +560,9 @@ class ShardAdamW(torch.optim.AdamW):
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
     """AdamW on the parameters that train (with adapters, theirs only) and its schedule."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params, cfg = [p for p in model.parameters() if p.requires_grad], dataclasses.replace(cfg)
     opt = ShardAdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                     weight_decay=cfg.weight_decay)
+                     weight_decay=cfg.weight_decay)  # (its schedule reads its own copy of cfg)
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -568,6 +573,17 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, total_steps: int):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+
+def configure_optimizer(opt, sched, cfg: OptimConfig) -> None:
+    """AdamW's learning rate, betas and weight decay from `cfg`, changed between steps
+    (train_grpo.configure): in each param group, the learning rate times the schedule's factor
+    of the step, and the schedule's base for the steps to come."""
+    for i, group in enumerate(opt.param_groups):
+        factor = sched.lr_lambdas[i](sched.last_epoch)
+        group.update(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                     initial_lr=cfg.lr, lr=cfg.lr * factor)
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
 
 
 @torch.no_grad()

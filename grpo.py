@@ -53,6 +53,16 @@ SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequen
 
 @dataclass
 class GRPOConfig:
+    # between steps (train_grpo.configure): all but the rollout's shape (group_size,
+    #   prompts_per_step); kl_coef > 0 only where the run built a reference
+    LIVE = ("adv_eps", "scale_adv_by_std", "adv_std", "reward_agg", "loss_agg", "clip_low",
+            "clip_high", "policy_loss", "dppo_ratio_cap", "dual_clip", "vespo_k_pos",
+            "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "sapo_tau_pos", "sapo_tau_neg",
+            "entropy_coef", "top_entropy_quantile", "ppo_epochs", "mini_batches", "kl_coef",
+            "kl_estimator", "kl_unbiased", "is_correction", "is_cap", "is_cap_low",
+            "off_policy_delta", "dynamic_sampling", "max_gen_rounds", "overlong",
+            "overlong_buffer", "overlong_penalty_factor", "micro_batch_tokens", "pack",
+            "logprob_chunk")
     group_size: Annotated[int, Range(2)] = 8  # G: responses sampled per prompt
     # over all ranks; each engine group takes an equal slice
     prompts_per_step: Annotated[int, Range(1)] = 32

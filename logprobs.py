@@ -288,9 +288,9 @@ class Objective:
 
     def __getitem__(self, k: slice) -> "Objective":
         """The tokens k's (a sequence-parallel rank's: MicroBatch.mine)."""
+        tensors = ("entropy_weights", "top_ids", "top_logp", "top_coef")
         return dataclasses.replace(self, terms=self.terms[k], **{
-            name: getattr(self, name)[k] for name in ("entropy_weights", "top_ids", "top_logp",
-                                                      "top_coef") if getattr(self, name) is not None})
+            name: getattr(self, name)[k] for name in tensors if getattr(self, name) is not None})
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -139,6 +139,7 @@ PURE = ("tiny_sum", "tiny_colour", "gsm8k", "format", "agent")
 class RewardConfig:
     """The `reward:` section: which functions score a sample, their weights, their time limit."""
 
+    LIVE = ()  # between steps (train_grpo.configure): none, the scorer is built of them
     # REWARDS key, mod:fn or a.py:fn, each resolved by `validate` before any model loads
     funcs: Annotated[list[str], Anything("rewards.validate resolves each", refused=(
         ["nope"], [], ["tiny_sum", "tiny_sum"]))] = field(default_factory=lambda: ["tiny_sum"])

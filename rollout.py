@@ -51,6 +51,8 @@ KEEPS_UNSENT_VLLM = {"0.32"}
 class PartialConfig:
     """The `rollout.partial:` sub-section: partial rollout (partial.py says what it does)."""
 
+    # between steps (train_grpo.configure): these; `enabled` builds it at setup
+    LIVE = ("round_tokens", "oversample", "stale", "max_staleness")
     enabled: Annotated[bool, FLAG] = False  # carry unfinished samples across steps
     # tokens a sample writes at most in a round (0: no budget; over-sampling alone stops a step)
     round_tokens: Annotated[int, Range(0)] = 0
@@ -79,6 +81,8 @@ class PartialConfig:
 
 @dataclass
 class RolloutConfig:
+    # between steps (train_grpo.configure): these; the engine is built of the rest
+    LIVE = ("temperature", "top_p", "seed", "seed_per_step")
     # tensor-parallel ranks per engine; world_size must be a multiple
     tp_size: Annotated[int, Range(1)] = 1
     # engine dtype, always explicit (vLLM silently runs fp32 checkpoints in bf16)
@@ -294,6 +298,12 @@ class Engine:
         ram = "/dev/shm" if os.path.isdir("/dev/shm") else None  # with LoRA: the adapter's files
         self.adapter_dir = tempfile.mkdtemp("-adapter", dir=ram) if self.lora else None
         self.streams = 0  # stream() calls: its request ids are never reused
+
+    def configure(self, cfg) -> None:
+        """The run's config (its rollout section), changed between steps (train_grpo.configure):
+        the requests' sampling, temperature and top_p; the rest built the engine and is the
+        same."""
+        self.cfg = cfg.rollout
 
     def sampling(self, n: int, max_tokens: int, greedy: bool = False, seed: int | None = None,
                  **more):

@@ -88,6 +88,13 @@ class Sampler:
         env = sum((p.env for p, *_ in pieces), records.EnvCalls())
         return records.Rollout.join(pieces, kept, env, len(pieces), seconds)
 
+    def configure(self, cfg, scoring) -> None:
+        """The run's config and scoring, changed between steps (train_grpo.configure), here and
+        in partial rollout."""
+        self.cfg, self.scoring = cfg, scoring
+        if self.partial is not None:
+            self.partial.configure(cfg, scoring)
+
     @torch.no_grad()
     def evaluate(self, turn, examples: list, k: int = 0) -> tuple[dict, tuple]:
         """Held-out prompts outside any step (no data drawn, nothing carried: partial rollout's

@@ -22,6 +22,9 @@ from config import Anything, Items, OneOf, Range, need
 
 @dataclass
 class LogConfig:
+    # between steps (train_grpo.configure): these; files and wandb open with the rest
+    LIVE = ("samples_every", "eval_every", "eval_k", "eval_examples", "save_every",
+            "keep_checkpoints")
     # metrics.jsonl, config.yaml, samples.jsonl, checkpoints
     out_dir: Annotated[str, Anything("config.validate: a directory that can be written",
                                      refused=("/etc/hostname/run",))] = "runs/default"
@@ -102,6 +105,11 @@ class Tracker:
                 name=self.log_cfg.run_name or os.path.basename(os.path.normpath(out)),
                 tags=self.log_cfg.wandb_tags, config=dataclasses.asdict(cfg), dir=out,
                 resume="allow")
+
+    def configure(self, cfg) -> None:
+        """The run's config, changed between steps (train_grpo.configure): its step count and
+        sample fields (the files and wandb stay those it opened)."""
+        self.cfg, self.log_cfg = cfg, cfg.log
 
     def log_step(self, metrics: dict, bar) -> None:
         """A row of metrics.jsonl, the console line (through the progress bar), wandb."""

@@ -78,6 +78,8 @@ log = logging.getLogger("grpo")
 
 @dataclass
 class TrainConfig:
+    # between steps (configure): steps (not under a cosine schedule, built for them)
+    LIVE = ("steps",)
     steps: Annotated[int, Range(1)] = 100  # steps of the run: each a rollout and its update
     seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
     # continue from the newest complete checkpoint in log.out_dir: auto (if there is one; what
@@ -116,7 +118,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 @dataclass
 class Run:
-    cfg: Config
+    cfg: Config  # yours to edit between steps: the next train_step applies it (`configure`)
+    applied: Config = None  # what every part was built or configured with (`configure`)
     rank: int = 0
     world: int = 1
     group: rollout.EngineGroup = None  # this rank's engine group (rollout.tp_size ranks)
@@ -171,6 +174,13 @@ class Run:
         if errors:
             raise errors[0]
 
+    def configure(self, *overrides: str) -> None:
+        """Change the run between steps: `--section.key=value` overrides of its config, parsed
+        and checked as load_config checks them, then applied to every part that uses them, or
+        refused in one line before anything changes (module function `configure`, the door an
+        edit of run.cfg goes through too). Every rank must call, alike."""
+        configure(self, config.override(self.applied, list(overrides)))
+
     def snapshot(self, path: str | None = None) -> "snapshot.Snapshot":
         """This run's state now, to `restore` later: the actor's trained shards, the optimizer
         and its schedule, the step, the config, the data position, partial rollout's carried
@@ -184,18 +194,17 @@ class Run:
         """Put the run back where `snap` was taken, bit for bit: the steps after it run again as
         they ran then (with rollout.seed_per_step, the same samples); the engine gets the
         restored weights at the next push. The run's jsonl files lose the rows of later steps
-        (as a resume does), and the config's update-side parts are rebuilt from the config
-        the snapshot holds. A snapshot can be restored any number of times. Every rank must
-        call."""
+        (as a resume does), and the config the snapshot holds is the run's again, through the
+        door every change takes (`configure`). A snapshot can be restored any number of times.
+        Every rank must call."""
         snapshot.restore(self, snap)
-        self.cfg = copy.deepcopy(snap.cfg)
-        update_parts(self)
+        configure(self, snap.cfg)
         if self.tracker is not None:
             self.tracker.rewind(snap.step)
         if self.bar is not None:
             self.bar.n = snap.step
             self.bar.refresh()
-        later = [c for c in checkpoint.complete_checkpoints(self.cfg.log.out_dir)
+        later = [c for c in checkpoint.complete_checkpoints(self.applied.log.out_dir)
                  if int(os.path.basename(c).split("_")[1]) > snap.step]
         if later:
             log.warning("restored to step %d; the checkpoints of later steps remain (%s): a "
@@ -221,8 +230,8 @@ def setup(cfg: Config) -> Run:
     """Everything a run needs: the process group (torchrun's, or a world of one), the config
     resolved and checked before any model loads, then the parts (`build`); resumed from the
     newest checkpoint if cfg.train.resume. What was built is torn down again if a later part
-    fails. The run works on a copy of `cfg` (run.cfg); one run at a time in a process (a second
-    setup() raises)."""
+    fails. The run works on a copy of `cfg` (run.applied, and run.cfg for you to edit); one run
+    at a time in a process (a second setup() raises)."""
     global _OPEN
     if (other := open_run()) is not None:
         raise RuntimeError(f"setup: a run is already open in this process (log.out_dir="
@@ -233,7 +242,7 @@ def setup(cfg: Config) -> Run:
     env = npu_ops.setup_env(graph_mode=not cfg.rollout.enforce_eager, sleep_mode=True,
                             matmul_allreduce=cfg.rollout.matmul_allreduce,
                             sp_size=cfg.model.sp_size)
-    run = Run(cfg, *init_distributed(cfg.train.dist_timeout_s))
+    run = Run(copy.deepcopy(cfg), cfg, *init_distributed(cfg.train.dist_timeout_s))
     _OPEN = weakref.ref(run)
     try:
         run.log_handler = tracking.log_to_console(run.rank)
@@ -300,7 +309,7 @@ def build(run: Run) -> None:
     from tqdm import tqdm
     from transformers import AutoProcessor, AutoTokenizer
 
-    cfg = run.cfg
+    cfg = run.applied
     run.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     # prompts with images: the model's processor places them (data.image_key)
     processor = AutoProcessor.from_pretrained(cfg.model.path) if cfg.data.image_key else None
@@ -351,7 +360,7 @@ def build_trainer(run: Run) -> None:
     settings (trainer.Settings) and the batch's transforms (batch_transforms)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = run.cfg
+    cfg = run.applied
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
     images = bool(cfg.data.image_key)  # the whole vision-language model
@@ -369,24 +378,94 @@ def build_trainer(run: Run) -> None:
     run.flops = fsdp_utils.flops_per_token(run.actor)
 
 
+def configure(run: Run, cfg: Config) -> None:
+    """The one door for a change to a built run: `cfg`, a whole config tree, becomes the config
+    every part holds, or nothing changes. The fields its sections name LIVE (config.live_fields)
+    are applied to every part that uses them: the optimizer's settings (optim.*), the update's,
+    the scoring and the batch's transforms, the sampler with partial rollout, the engine's
+    sampling (the trainer's logprobs take the same temperature and top_p), the tracker
+    (update_parts). Any other field that changed, or a live one the run cannot take
+    (`refusal`), raises BadInput in one line naming it and the fix; run.cfg is put back to the
+    applied config then. Every rank must call, alike."""
+    old = run.applied
+    if cfg == old:
+        return
+    try:
+        config.validate(cfg, run.world)  # as load_config checks a config: domains, cross-field
+        if (why := refusal(run, old, cfg)) is not None:
+            raise config.BadInput(f"configure: {why}")
+    except config.BadInput:
+        _assign(run.cfg, old)
+        raise
+    run.applied = copy.deepcopy(cfg)
+    if dataclasses.replace(old.optim, grad_clip=0, max_nonfinite=0) != dataclasses.replace(
+            cfg.optim, grad_clip=0, max_nonfinite=0):  # lr, betas, weight decay: in its groups
+        fsdp_utils.configure_optimizer(run.opt, run.sched, run.applied.optim)
+    _assign(run.cfg, run.applied)
+    update_parts(run)
+    log.info("configure: %s", ", ".join(f"{name}={value!r}" for name, value in changed(old, cfg)))
+
+
+def refusal(run: Run, old: Config, new: Config) -> str | None:
+    """Why the built run cannot take `new` in place of `old`, the config it applied: the first
+    changed field that a part was built with (its section's LIVE leaves it out), or that the run
+    cannot take (a KL term with no reference built, the steps of a cosine schedule); one line
+    with the fix. None: it can."""
+    live, before = config.live_fields(new), dict(changed(new, old))
+    for name, value in changed(old, new):
+        was = f"{name}: {before[name]!r} -> {value!r} between steps"
+        if name not in live:
+            return (f"{was}: the run built its parts with it at setup. Fix: a new run with it "
+                    f"(setup), or leave it at {before[name]!r}")
+        if name == "grpo.kl_coef" and value > 0 and run.ref is None:
+            return (f"{was}: the KL term needs a reference model, which this run did not build "
+                    "(it started with grpo.kl_coef=0). Fix: start the run with grpo.kl_coef > 0 "
+                    "(it may then go to 0 and back)")
+        if name == "train.steps" and new.optim.schedule != "constant":
+            return (f"{was}: optim.schedule={new.optim.schedule} was built for "
+                    f"{before[name]} steps. Fix: a new run with its steps, or a constant schedule")
+    return None
+
+
+def changed(old: Config, new: Config) -> list[tuple[str, object]]:
+    """(section.key, new value) of each field whose value differs between the two trees."""
+    before = {name: value for name, value, *_ in config.fields(old)}
+    return [(name, value) for name, value, *_ in config.fields(new) if value != before[name]]
+
+
+def _assign(target, source) -> None:
+    """Every field of the dataclass tree `source` into `target`, in place: the same objects
+    hold the new values (a section a notebook kept a name for sees them too)."""
+    for f in dataclasses.fields(source):
+        value = getattr(source, f.name)
+        if dataclasses.is_dataclass(value):
+            _assign(getattr(target, f.name), value)
+        else:
+            setattr(target, f.name, copy.deepcopy(value))
+
+
 def update_parts(run: Run) -> None:
-    """What the update takes of run.cfg, made again from it (a restored snapshot's config, a
-    variant's: variants.py): the update's settings (trainer.Settings), the batch's transforms,
-    and the config the sampler scores with."""
-    cfg = run.cfg
+    """Every part that holds the config, given run.applied (at setup, and by `configure`): the
+    update's settings (trainer.Settings), the scoring (grpo.Scoring), the batch's transforms,
+    the engine's sampling, the sampler and partial rollout, the tracker."""
+    cfg = run.applied
     run.settings = trainer.settings(cfg.grpo, cfg.rollout.temperature, cfg.rollout.top_p,
                                     cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
                                     run.tokenizer.pad_token_id or 0, npu_ops.local_device())
+    run.scoring = dataclasses.replace(run.scoring, cfg=cfg.grpo)
     run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
+    for part in (run.engine, run.tracker):  # the engine before the sampler: agents' sampling
+        if part is not None:
+            part.configure(cfg)
     if run.sampler is not None:
-        run.sampler.cfg = cfg
+        run.sampler.configure(cfg, run.scoring)
 
 
 def batch_transforms(run: Run) -> list:
     """The batch's transforms for this run, in their order (batcher.py): each a function
     batcher.Batch -> batcher.Batch, applied after this rank's share of the scored rollout. To add
     one, append it here."""
-    cfg, g, passes, out = run.cfg, run.cfg.grpo, run.settings.passes, []
+    cfg, g, passes, out = run.applied, run.applied.grpo, run.settings.passes, []
     if cfg.rollout.partial.enabled and cfg.rollout.partial.stale == "mask":
         out.append(functools.partial(partial.stale_tokens, stale="mask"))  # no loss on old tokens
     if run.split is not None:  # the group's ranks train the union of their shares
@@ -452,6 +531,8 @@ def train_step(run: Run, replay=None) -> dict:
     step's metrics (those of metrics.jsonl); run.last holds what it trained on (`Last`).
     `replay` (a records.Rollout: an earlier step's run.last.rollout): train on it instead of
     collecting (no engine turn, no data drawn; the metrics say `replay`)."""
+    if run.cfg != run.applied:  # an edit of run.cfg: applied everywhere, or refused here
+        configure(run, run.cfg)
     step, started = run.step + 1, time.perf_counter()
     npu_ops.reset_peak_memory()
     run.profiler.before(step)
@@ -474,13 +555,13 @@ def train_step(run: Run, replay=None) -> dict:
     run.step, run.last = step, Last(ro, scored, batch)
     # 5) log: the metrics over all ranks; eval, samples and checkpoints on schedule
     metrics = step_metrics(run, update.metrics, (started, trained), replay=replay is not None)
-    if run.cfg.log.eval_due(step, run.cfg.train.steps):
+    if run.applied.log.eval_due(step, run.applied.train.steps):
         metrics.update(evaluate(run))
     log_step(run, metrics)
     run.profiler.after(step)
     # 6) optim.max_nonfinite optimizer steps in a row not taken (not finite) stop the run
     run.nonfinite = faults.count(run.nonfinite, update.skipped, step,
-                                 run.cfg.optim.max_nonfinite)
+                                 run.applied.optim.max_nonfinite)
     return metrics
 
 
@@ -500,8 +581,8 @@ def step_metrics(run: Run, update: dict, started: tuple, replay: bool = False) -
              "logprobs_time_s": logprobs_s, "train_time_s": now - started[1] - logprobs_s,
              "step_time_s": now - started[0]}
     metrics = tracking.reduce({
-        "step": step, **ro.metrics(run.group, bool(run.cfg.env.name),
-                                   run.cfg.env.kind == "agent"),
+        "step": step, **ro.metrics(run.group, bool(run.applied.env.name),
+                                   run.applied.env.kind == "agent"),
         **scored.metrics(run.group.first), **update, **batch.metrics, **times,
         **run.sampler.metrics(batch.samples, step - 1),
         "lr": run.sched.get_last_lr()[0], "gen_rounds": ro.rounds,
@@ -532,7 +613,7 @@ def memory_now() -> dict:
 def evaluate(run: Run) -> dict:
     """The held-out eval (sampler.Sampler.evaluate) into the step's metrics, and a few of its
     greedy samples to eval_samples.jsonl."""
-    cfg = run.cfg.log
+    cfg = run.applied.log
     scores, rows = run.sampler.evaluate(run.turn, run.eval_examples, cfg.eval_k)
     run.tracker.log_samples("eval_samples.jsonl", run.step, *(r[:cfg.eval_examples] for r in rows))
     return scores
@@ -541,7 +622,7 @@ def evaluate(run: Run) -> dict:
 def log_step(run: Run, metrics: dict) -> None:
     """The metrics' row and console line, a few of the last rollout's samples, and a
     checkpoint, each on its schedule (log.*)."""
-    cfg, step, G, ro = run.cfg.log, run.step, run.cfg.grpo.group_size, run.last.rollout
+    cfg, step, G, ro = run.applied.log, run.step, run.applied.grpo.group_size, run.last.rollout
     run.tracker.log_step(metrics, run.bar)
     run.bar.update(1)
     if cfg.samples_every and step % cfg.samples_every == 0:
@@ -556,7 +637,7 @@ def log_step(run: Run, metrics: dict) -> None:
 def save(run: Run) -> str:
     """A checkpoint of the run after its last step (checkpoint.save_checkpoint: the actor, the
     optimizer and schedule, the data drawn, partial rollout's carry); returns its directory."""
-    cfg, state = run.cfg.log, run.sampler.state_dict()
+    cfg, state = run.applied.log, run.sampler.state_dict()
     return checkpoint.save_checkpoint(cfg.out_dir, run.step, run.actor, run.opt, run.sched,
                                       cfg.keep_checkpoints, extra={"drawn": state["drawn"]},
                                       rank={"carry": state["carry"]})
@@ -568,24 +649,25 @@ def train(cfg: Config) -> dict:
     the step it came in, with a checkpoint and no export."""
     metrics = {}
     with setup(cfg) as run, faults.StopSignals() as signals:
-        while run.step < run.cfg.train.steps:
+        while run.step < run.applied.train.steps:
             metrics = train_step(run)
             if (got := signals.agreed()) is not None:
                 return stopped(run, got, metrics)
-        checkpoint.save_hf(run.actor, run.tokenizer, os.path.join(run.cfg.log.out_dir, "final"),
-                           source=run.cfg.model.path,  # the run's copy: the tiny task's path
-                           lora=run.cfg.model.lora)
+        checkpoint.save_hf(run.actor, run.tokenizer,
+                           os.path.join(run.applied.log.out_dir, "final"),
+                           source=run.applied.model.path,  # the run's: the tiny task's path
+                           lora=run.applied.model.lora)
     return metrics
 
 
 def stopped(run: Run, signal_name: str, metrics: dict) -> dict:
     """After the step a stop signal came in: its checkpoint (unless log.save_every wrote it) and
     one line saying how to go on."""
-    cfg = run.cfg.log
+    cfg = run.applied.log
     done = cfg.save_every and run.step % cfg.save_every == 0
     path = checkpoint.latest_checkpoint(cfg.out_dir) if done else save(run)
     log.warning("stopped by %s after step %d of %d; checkpoint %s. Resume: the same command "
-                "with --train.resume=auto", signal_name, run.step, run.cfg.train.steps, path)
+                "with --train.resume=auto", signal_name, run.step, run.applied.train.steps, path)
     return metrics
 
 

@@ -491,6 +491,12 @@ class PartialAgents:
         self.group_size, self.engine, self.runner = cfg.grpo.group_size, engine, runner
         self.leads, self.serving = group.first, None
 
+    def configure(self, cfg) -> None:
+        """The engine's sampling, changed between steps (train_grpo.configure), for the calls
+        to come (the engine is configured first)."""
+        if self.serving is not None:
+            self.serving.sampling = sampling(self.engine, False)
+
     def begin(self, step: int) -> None:
         """The first rank's endpoint (one for the run) at the weights version step - 1."""
         if self.leads:

@@ -64,6 +64,7 @@ class Source(Protocol):
     keeps: bool  # groups are plain data: a checkpoint keeps them, a step run again restarts
     made: int  # the tokens generated in the step so far
 
+    def configure(self, cfg) -> None: ...  # the run's config tree, at setup and changed
     def begin(self, step: int) -> None: ...  # a step's collection starts
     def start(self, examples: list, first: int) -> list: ...  # a group per example, drawn first..
     def done(self, group: list) -> bool: ...  # all its episodes are over
@@ -92,15 +93,21 @@ class PartialRollout:
     index; scorer: rewards.Scorer; scoring: grpo.Scoring, what finished groups are judged by."""
 
     def __init__(self, cfg, group, prompts, source: Source, scorer, scoring):
-        self.cfg, self.group, self.prompts = cfg.rollout.partial, group, prompts
-        self.source, self.scorer, self.scoring = source, scorer, scoring
-        self.share = cfg.grpo.prompts_per_step // group.count  # the groups it trains a step
-        self.group_size = cfg.grpo.group_size
-        self.in_flight = math.ceil(self.share * self.cfg.oversample)
-        self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
+        self.group, self.prompts, self.source, self.scorer = group, prompts, source, scorer
+        self.configure(cfg, scoring)
         self.groups, self.drawn = [], 0  # in flight; prompts drawn so far
         self.step, self.saved = 0, None  # the step collected last, and the state it began from
         self.counts = {"dropped": 0, "generated": 0}
+
+    def configure(self, cfg, scoring) -> None:
+        """The run's config (its rollout.partial and grpo sections) and scoring: at setup, and
+        changed between steps (train_grpo.configure), its source's too."""
+        self.cfg, self.scoring = cfg.rollout.partial, scoring
+        self.share = cfg.grpo.prompts_per_step // self.group.count  # the groups it trains a step
+        self.group_size = cfg.grpo.group_size
+        self.in_flight = math.ceil(self.share * self.cfg.oversample)
+        self.cap = cfg.grpo.max_gen_rounds * (self.in_flight + self.share)  # drawn in a step
+        self.source.configure(cfg)
 
     def collect(self, step: int) -> records.Rollout:
         """Step `step`'s rollout: `share` complete groups (fewer only if the draws ran out), each
@@ -209,10 +216,13 @@ class Streams:
     leads, keeps = True, True
 
     def __init__(self, cfg, group, engine, runner):
-        self.cfg, self.group, self.engine, self.runner = cfg.rollout.partial, group, engine, runner
-        self.seed = cfg.rollout.seed if cfg.rollout.seed_per_step else None
-        self.group_size = cfg.grpo.group_size
+        self.group, self.engine, self.runner = group, engine, runner
+        self.configure(cfg)
         self.step, self.made = 0, 0  # the step being collected; the tokens it generated
+
+    def configure(self, cfg) -> None:
+        self.cfg, self.group_size = cfg.rollout.partial, cfg.grpo.group_size
+        self.seed = cfg.rollout.seed if cfg.rollout.seed_per_step else None
 
     def begin(self, step: int) -> None:
         self.step, self.made = step, 0

@@ -1,1 +1,1 @@
-"""A device stack's start-up checks beyond npu_ops.py: Ascend's, read from versions and variables."""
+"""A device stack's start-up checks beyond npu_ops.py: Ascend's, from versions and variables."""

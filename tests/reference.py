@@ -196,7 +196,7 @@ def prepared(batch, actor, ref, s: trainer.Settings):
     reference), for a run of `actor` and its reference `ref` (or None)."""
     import train_grpo
 
-    run = types.SimpleNamespace(cfg=train_grpo.Config(grpo=s.grpo), split=batch.split,
+    run = types.SimpleNamespace(applied=train_grpo.Config(grpo=s.grpo), split=batch.split,
                                 teacher=None, actor=actor, ref=ref, settings=s)
     for transform in train_grpo.batch_transforms(run):
         batch = transform(batch)

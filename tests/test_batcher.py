@@ -106,7 +106,7 @@ def test_the_passes_without_gradient_are_batch_transforms(epochs, minis, rho, kl
 
     g = grpo.GRPOConfig(ppo_epochs=epochs, mini_batches=minis, top_entropy_quantile=rho,
                         kl_coef=kl)
-    run = types.SimpleNamespace(cfg=train_grpo.Config(grpo=g), split=None, teacher=None,
+    run = types.SimpleNamespace(applied=train_grpo.Config(grpo=g), split=None, teacher=None,
                                 actor="actor", ref="ref" if kl else None,
                                 settings=reference.settings(g))
     found = train_grpo.batch_transforms(run)

@@ -71,7 +71,7 @@ def run(tiny_models, tmp_path):
         cfg = fsdp_utils.OptimConfig(lr=1e-2, warmup_steps=3, schedule="cosine")
         opt, sched = fsdp_utils.build_optimizer(cfg, actor, total_steps=10)
         yield types.SimpleNamespace(actor=actor, opt=opt, sched=sched, sampler=Positions(),
-                                    step=0, cfg={"a": 1}, last=None, turn=None)
+                                    step=0, applied={"a": 1}, last=None, turn=None)
     finally:
         dist.destroy_process_group()
 

@@ -56,6 +56,8 @@ from config import Anything, BadInput, OneOf, Range
 class DistillConfig:
     """The `distill:` section: a teacher whose per-token logprobs train the student."""
 
+    # between steps (train_grpo.configure): these; the teacher is built of the rest
+    LIVE = ("loss", "coef", "top_k", "reward_coef")
     # the teacher: a model directory (or hub id) with the student's tokenizer; "": no teacher
     teacher: Annotated[str, Anything("distill.validate: a directory with config.json, or a hub "
                                      "id", refused=("no/such/dir/x",))] = ""

@@ -119,7 +119,7 @@ def take(run, path: str | None = None) -> Snapshot:
     state = {"params": params, "optim": optim, "groups": groups,
              "sched": copy.deepcopy(run.sched.state_dict()), "rng": checkpoint.rng_state(),
              "sampler": sampler, "step": run.step}
-    snap = Snapshot(run.step, copy.deepcopy(run.cfg), run.last, state_bytes_now)
+    snap = Snapshot(run.step, copy.deepcopy(run.applied), run.last, state_bytes_now)
     if path is None:
         snap.state = state
     else:

@@ -76,19 +76,6 @@ def variant_config(base, name: str, overrides: list[str], world: int | None = No
     return cfg
 
 
-def apply(run, cfg) -> None:
-    """Make `cfg` (a variant_config) the run's: its update settings and its optimizer's (the
-    learning rate keeps the schedule's factor of the step)."""
-    opt, sched, o = run.opt, run.sched, cfg.optim
-    for i, group in enumerate(opt.param_groups):
-        factor = sched.lr_lambdas[i](sched.last_epoch)
-        group.update(betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, initial_lr=o.lr,
-                     lr=o.lr * factor)
-    sched.base_lrs = [o.lr] * len(opt.param_groups)  # (the step's sched.step() sets the rest)
-    run.cfg = cfg
-    train_grpo.update_parts(run)
-
-
 @dataclasses.dataclass
 class Comparison:
     """compare's result: `metrics[variant]`, each step's metrics; `evals[variant]`, the
@@ -136,25 +123,25 @@ def compare(run, variants: dict, steps: int = 1, evaluate: bool = False) -> Comp
     """Train each of `variants` ({name: [--section.key=value, ...]}, the first usually [] for
     the run's own config) for `steps` steps from the run's state now, on the same rollouts
     (module docstring); with `evaluate`, the held-out eval of each after its steps
-    (sampler.Sampler.evaluate: log.eval_k's mean@k too). The run is back where it was afterwards. Every
-    rank must call, with the same arguments. Holds a snapshot (run.snapshot) and one more copy
+    (sampler.Sampler.evaluate: log.eval_k's mean@k too). The run is back where it was
+    afterwards. Every rank must call, with the same arguments. Holds a snapshot (run.snapshot) and one more copy
     of the trained parameters in host memory."""
     if not variants or steps < 1:
         raise BadInput("compare: give at least one variant and steps >= 1")
-    configs = {name: variant_config(run.cfg, name, list(o), run.world, run.ref is not None)
+    configs = {name: variant_config(run.applied, name, list(o), run.world, run.ref is not None)
                for name, o in variants.items()}
     for cfg in configs.values():  # nothing written: no eval, samples or checkpoint on schedule
         cfg.log = dataclasses.replace(cfg.log, eval_every=0, samples_every=0, save_every=0)
     snap = run.snapshot()
     out, first = Comparison({}, {}, []), None
     parts = run.tracker, run.profiler  # (a tracker of another rank than 0 writes nothing)
-    run.tracker = tracking.Tracker(run.cfg, -1, snap.step)
-    run.profiler = train_grpo.StepProfiler([], run.cfg.log.out_dir, run.rank)
+    run.tracker = tracking.Tracker(run.applied, -1, snap.step)
+    run.profiler = train_grpo.StepProfiler([], run.applied.log.out_dir, run.rank)
     try:
         for k, (name, cfg) in enumerate(configs.items()):
             if k:
                 run.restore(snap)
-            apply(run, cfg)
+            train_grpo.configure(run, cfg)
             rows = []
             for s in range(steps):
                 m = train_grpo.train_step(run, replay=out.rollouts[s] if k else None)
@@ -169,7 +156,7 @@ def compare(run, variants: dict, steps: int = 1, evaluate: bool = False) -> Comp
             out.metrics[name] = rows
             if evaluate:
                 scores, _ = run.sampler.evaluate(run.turn, run.eval_examples,
-                                                 run.cfg.log.eval_k)
+                                                 run.applied.log.eval_k)
                 out.evals[name] = scores
     finally:
         run.tracker, run.profiler = parts
