@@ -147,16 +147,19 @@ def old_policy(batch: Batch, actor, passes: logprobs.Passes, keep_logp: bool,
     """A batch transform: the actor before the update over the batch's samples, in one pass
     without gradient (a mixture of experts routed as the engine routed them): with keep_logp
     their logprobs (old_logp: off-policy, grpo.ppo_epochs or mini_batches > 1, every optimizer
-    step's ratio is to them), with entropy each token's entropy (for `forking`)."""
+    step's ratio is to them), with entropy each token's entropy (for `forking`). The update
+    takes the entropies again this way before each optimizer step but the first, off-policy
+    (trainer.forking_now)."""
     t = time.perf_counter()
     found = logprobs.sample_pass(actor, batch.samples, passes, entropy=entropy, replay=True,
                                  split=batch.split)
-    return timed(batch, t, old_logp=found["logp"] if keep_logp else None,
+    return timed(batch, t, old_logp=found["logp"] if keep_logp else batch.old_logp,
                  entropy=found.get("entropy"))
 
 
 def forking(batch: Batch, rho: float) -> Batch:
-    """A batch transform, after old_policy: the forking tokens (`forking_tokens`) of the
+    """A batch transform, after old_policy, on-policy (off-policy the update chooses them for
+    each optimizer step: trainer.forking_now): the forking tokens (`forking_tokens`) of the
     batch's entropies, and their metrics: forking_frac, the share of the model's tokens that
     keep their gradient, and entropy_threshold, the bar."""
     keep, threshold = forking_tokens(batch.samples, batch.entropy, rho, batch.split)

@@ -34,6 +34,7 @@ mean, and stay out of the mismatch and KL metrics. "Response token" above means 
 model wrote.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Annotated
@@ -43,9 +44,12 @@ import torch
 import tracking
 from config import FLAG, OneOf, Range, need
 
+log = logging.getLogger("grpo")
+
 
 LOSS_AGGS = ("token_mean", "seq_mean", "constant", "seq_sum")
 POLICY_LOSSES = ("ppo", "gspo", "luspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "vespo")
+DPPO = ("dppo_tv", "dppo_kl")
 SEQ_RATIO = ("gspo", "luspo")  # surrogates of each sequence's ratio
 IS_MODES = ("none", "tis", "token_mask", "seq_truncate", "seq_mask", "seq_geo_mask")
 SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequences
@@ -56,7 +60,8 @@ class GRPOConfig:
     # between steps (train_grpo.configure): all but the rollout's shape (group_size,
     #   prompts_per_step); kl_coef > 0 only where the run built a reference
     LIVE = ("adv_eps", "scale_adv_by_std", "adv_std", "reward_agg", "loss_agg", "clip_low",
-            "clip_high", "policy_loss", "dppo_ratio_cap", "dual_clip", "vespo_k_pos",
+            "clip_high", "policy_loss", "dppo_ratio_cap", "dppo_anchor", "dual_clip",
+            "vespo_k_pos",
             "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "sapo_tau_pos", "sapo_tau_neg",
             "entropy_coef", "top_entropy_quantile", "ppo_epochs", "mini_batches", "kl_coef",
             "kl_estimator", "kl_unbiased", "is_correction", "is_cap", "is_cap_low",
@@ -86,10 +91,10 @@ class GRPOConfig:
     #   2507.18071: loss_agg seq_mean, clips of ~3e-4); cispo, the token ratio capped at
     #   1 + clip_high and detached, so every token keeps a gradient (MiniMax-M1, arXiv
     #   2506.13585); sapo, a smooth gate of the ratio instead of the clip (arXiv 2511.20347);
-    #   dppo_tv / dppo_kl, DPPO (arXiv 2602.04879, verl's losses of those names): sg(min(ratio,
-    #   dppo_ratio_cap)) A log p, 0 where the token's probability left a trust region measured
-    #   by a divergence (binary TV or binary KL to the old policy's) instead of the ratio; its
-    #   bounds are clip_high (A > 0) and clip_low (A < 0), as in verl; luspo, gspo's surrogate
+    #   dppo_tv / dppo_kl, DPPO (arXiv 2602.04879; its authors' sail-sg/Stable-RL): sg(min(p /
+    #   p_anchor, dppo_ratio_cap)) A log p, 0 where the token's probability left a trust region
+    #   measured by a divergence (binary TV or binary KL to the anchor's) instead of the ratio;
+    #   bounds clip_high (A > 0) and clip_low (else), divergence-sized; luspo, gspo's surrogate
     #   with each sequence's term times its length (LUSPO, arXiv 2602.05261; TRL's luspo:
     #   loss_agg seq_sum); vespo, sg(phi(w)) A log p with w the sequence's ratio to the
     #   sampling policy (a product, the engine's mismatch folded in) and phi a gamma-shaped
@@ -97,9 +102,16 @@ class GRPOConfig:
     policy_loss: Annotated[str, OneOf(*POLICY_LOSSES)] = "ppo"
     # dppo_*: the detached ratio's cap (verl's clip_ratio_c, 3 by default)
     dppo_ratio_cap: Annotated[float, Range(1)] = 3.0
+    # dppo_*: the policy the trust region and the ratio are measured from: rollout, the one
+    #   that sampled (the engine's logprobs; the paper's form, its Takeaway 2), whose ratio is
+    #   DPPO's own correction (no grpo.is_correction weight on top: the paper finds stacking
+    #   one harmful); old, the policy before the update as the trainer computes it, with
+    #   is_correction's weight (the recomputed anchor the paper reports unstable; verl's form)
+    dppo_anchor: Annotated[str, OneOf("rollout", "old")] = "rollout"
     # dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 4): with a negative advantage the
     #   clipped surrogate is at least c x A, so a token whose ratio grew far past the clip
-    #   cannot move the loss without bound; 0: off, else c > 1 (the paper's 3). ppo and gspo
+    #   cannot move the loss without bound; 0: off, else c > 1 + clip_high (the paper's 3;
+    #   at or below, the floor would cut tokens inside the clip range). ppo, gspo, luspo
     dual_clip: Annotated[float, Range(0)] = 0.0
     # VESPO's phi(w) = exp(lambda + k log w - lambda w), largest at w = k / lambda (defaults:
     #   TRL 1.16's): k, how fast phi falls below w = k / lambda, for A >= 0
@@ -171,6 +183,12 @@ class GRPOConfig:
              f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
              f"({max_new_tokens}); got {self.overlong_buffer}")
         validate(self)
+        if self.policy_loss in DPPO and self.dppo_anchor == "rollout" and (
+                self.is_correction != "none"):
+            log.warning("grpo.policy_loss=%s anchored to the rollout: its ratio to the engine's "
+                        "logprobs is its correction, and grpo.is_correction=%s is not applied "
+                        "on top (grpo.is_correction=none says so and silences this)",
+                        self.policy_loss, self.is_correction)
 
 
 def validate(cfg: GRPOConfig) -> None:
@@ -196,10 +214,12 @@ def validate(cfg: GRPOConfig) -> None:
                          "VESPO folds each token's mismatch weight into its sequence's ratio, "
                          "which a sequence's weight would count once per token. Fix: grpo."
                          "is_correction=tis or token_mask (or none)")
-    if 0 < cfg.dual_clip <= 1:
-        raise ValueError(f"grpo.dual_clip={cfg.dual_clip}: the lower bound c x A of a negative "
-                         "advantage's surrogate needs c > 1 (below, it would cut tokens inside "
-                         "the clip range). Fix: grpo.dual_clip=3 (the paper's), or 0 (off)")
+    if 0 < cfg.dual_clip <= 1 + cfg.clip_high:
+        raise ValueError(f"grpo.dual_clip={cfg.dual_clip} with grpo.clip_high={cfg.clip_high}: "
+                         "the floor c x A of a negative advantage's surrogate must lie past the "
+                         "clip range, c > 1 + clip_high; within it, it cuts the gradient of "
+                         "tokens whose ratio PPO keeps. Fix: grpo.dual_clip=3 (the paper's), or "
+                         "0 (off)")
     if cfg.dual_clip and cfg.policy_loss not in ("ppo", *SEQ_RATIO):
         raise ValueError(f"grpo.dual_clip with grpo.policy_loss={cfg.policy_loss}: dual-clip "
                          "bounds PPO's clipped surrogate, which that one does not use. Fix: "
@@ -410,16 +430,23 @@ def grpo_loss(logp: torch.Tensor, t: Tokens, cfg: GRPOConfig):
     ratio = (t.seq_ratio * torch.exp(logp - logp.detach()) if cfg.policy_loss in SEQ_RATIO
              else torch.exp(logp - old))
     surrogate, cut = policy_surrogate(logp, old, ratio, t, cfg)
-    weight = 1 if cfg.policy_loss == "vespo" else (  # vespo's w holds the mismatch already
-        t.is_weight if t.is_weight is not None else mismatch_weights(
-            old[None], t.engine[None], t.written[None], cfg.is_correction, cfg.is_cap,
-            cfg.is_cap_low)[0])
-    per_token = -surrogate * weight * (1 if t.keep is None else t.keep)
+    per_token = -surrogate * correction(old, t, cfg) * (1 if t.keep is None else t.keep)
     if t.ref is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, t.ref, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * (kl * torch.exp(logp - old) if cfg.kl_unbiased
                                                else kl)
     return (per_token * t.coef).sum(), (cut * t.written).sum()
+
+
+def correction(old, t: Tokens, cfg: GRPOConfig):
+    """Each token's engine/trainer mismatch weight (grpo.is_correction, mismatch_weights), or 1
+    where the surrogate holds the mismatch already: vespo's w, DPPO's ratio to the rollout."""
+    if cfg.policy_loss == "vespo" or (cfg.policy_loss in DPPO and cfg.dppo_anchor == "rollout"):
+        return 1
+    if t.is_weight is not None:
+        return t.is_weight
+    return mismatch_weights(old[None], t.engine[None], t.written[None], cfg.is_correction,
+                            cfg.is_cap, cfg.is_cap_low)[0]
 
 
 def policy_surrogate(logp, old, ratio, t: Tokens, cfg: GRPOConfig):
@@ -430,8 +457,8 @@ def policy_surrogate(logp, old, ratio, t: Tokens, cfg: GRPOConfig):
         return cispo(logp, ratio, t.adv, cfg.clip_high)
     if name == "sapo":
         return sapo(ratio, t.adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    if name in ("dppo_tv", "dppo_kl"):
-        return dppo(logp, old, ratio, t.adv, cfg)
+    if name in DPPO:  # anchored to the rollout: the engine's logprobs
+        return dppo(logp, t.engine if cfg.dppo_anchor == "rollout" else old, t.adv, cfg)
     if name == "vespo":
         log_w = t.seq_log_w if t.seq_log_w is not None else torch.zeros_like(old)
         return vespo(logp, log_w, t.adv, cfg)
@@ -468,11 +495,14 @@ def sapo(ratio, adv, tau_pos: float, tau_neg: float):
     return 4 / tau * gate * adv, 4 * gate * (1 - gate) < 0.5
 
 
-def dppo(logp, old, ratio, adv, cfg: GRPOConfig):
-    """DPPO (arXiv 2602.04879; verl's dppo_tv and dppo_kl): sg(min(r, dppo_ratio_cap)) A log p,
-    0 where the token's probability left the trust region (dppo_inside)."""
-    inside = dppo_inside(logp.detach(), old, adv, cfg)
-    weight = ratio.detach().clamp(max=cfg.dppo_ratio_cap)
+def dppo(logp, anchor, adv, cfg: GRPOConfig):
+    """DPPO (Qi et al. 2026, arXiv 2602.04879, eq. of its section 4; its authors' code,
+    sail-sg/Stable-RL core_algos.py compute_policy_loss_with_mask): sg(min(p / p_a,
+    dppo_ratio_cap)) A log p, 0 where the token's probability left the trust region around the
+    anchor's p_a (dppo_inside): the rollout's, the engine's logprob (grpo.dppo_anchor=rollout,
+    the paper's), or the old policy's (old, its recomputed ablation)."""
+    inside = dppo_inside(logp.detach(), anchor, adv, cfg)
+    weight = torch.exp(logp - anchor).detach().clamp(max=cfg.dppo_ratio_cap)
     return weight * adv * logp * inside, ~inside
 
 
@@ -508,16 +538,16 @@ def vespo_phi(log_w, adv, cfg: GRPOConfig):
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def dppo_inside(logp, old, adv, cfg: GRPOConfig):
-    """DPPO's trust region (arXiv 2602.04879; verl's dppo_tv and dppo_kl): whether each token's
-    probability p moved from the old policy's q by less than a divergence bound, in the
-    direction its advantage pushes it (A > 0: up, bound clip_high; else down, clip_low). Binary
-    TV: p - q; binary KL: KL(Bernoulli(q) || Bernoulli(p)). Detached inputs, bool out."""
-    p, q = logp.exp(), old.exp()
+def dppo_inside(logp, anchor, adv, cfg: GRPOConfig):
+    """DPPO's trust region (arXiv 2602.04879): whether each token's probability p moved from the
+    anchor's q by less than a divergence bound, in the direction its advantage pushes it (A > 0:
+    up, bound clip_high; else down, clip_low). Binary TV: p - q; binary KL: KL(Bernoulli(q) ||
+    Bernoulli(p)). Detached inputs, bool out."""
+    p, q = logp.exp(), anchor.exp()
     if cfg.policy_loss == "dppo_tv":
         up, down = p - q <= cfg.clip_high, p - q >= -cfg.clip_low
-    else:  # the 1e-8 keeps log finite at p or q = 1, as verl's
-        kl = q * (old - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+    else:  # the 1e-8 keeps log finite at p or q = 1, as the authors'
+        kl = q * (anchor - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
         up, down = (kl <= cfg.clip_high) | (p <= q), (kl <= cfg.clip_low) | (p >= q)
     return torch.where(adv > 0, up, down)
 

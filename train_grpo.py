@@ -477,7 +477,8 @@ def batch_transforms(run: Run) -> list:
     if off_policy or forks:  # the policy before the update: the ratio's base, the entropies
         out.append(functools.partial(batcher.old_policy, actor=run.actor, passes=passes,
                                      keep_logp=off_policy, entropy=forks))
-    if forks:  # only the high-entropy tokens keep a policy gradient
+    if forks and not off_policy:  # only the high-entropy tokens keep a policy gradient (off-
+        #   policy the update chooses them for each optimizer step: trainer.forking_now)
         out.append(functools.partial(batcher.forking, rho=g.top_entropy_quantile))
     if run.ref is not None:  # the KL term's reference
         out.append(functools.partial(batcher.reference, ref=run.ref, passes=passes))

@@ -67,14 +67,18 @@ def update(actor, opt, batch: batcher.Batch, cfg: Settings) -> Result:
     # the sampling policy as the trainer computes it: the pass before the update (off-policy),
     # else the update's own forward
     view = batch.old_logp
-    loss_tokens, norms, losses, skipped = 0, [], [], []
+    loss_tokens, norms, losses, skipped, forks = 0, [], [], [], []
     clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
     shuffle = torch.Generator().manual_seed(batch.seed)
     router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
+    reselect = g.top_entropy_quantile < 1 and g.ppo_epochs * g.mini_batches > 1
     for epoch in range(g.ppo_epochs):
-        for part in split_mini_batches(len(samples), g.mini_batches, shuffle):
-            logp, stats = accumulate_gradients(actor, batch.of(part), cfg,
-                                               router if epoch == 0 else None)
+        for k, part in enumerate(split_mini_batches(len(samples), g.mini_batches, shuffle)):
+            mini = batch.of(part)
+            if reselect:  # off-policy: this optimizer step's forking tokens, under its policy
+                mini = forking_now(actor, mini, cfg, moved=bool(epoch or k))
+                forks.append(mini.metrics)
+            logp, stats = accumulate_gradients(actor, mini, cfg, router if epoch == 0 else None)
             if view is None:  # on-policy: the one forward (part: every sample, shuffled)
                 view = [lp for _, lp in sorted(zip(part, logp), key=lambda x: x[0])]
             clipped += stats["clipped"]
@@ -90,8 +94,25 @@ def update(actor, opt, batch: batcher.Batch, cfg: Settings) -> Result:
     read = torch.stack([clipped, entropy, *norms, *losses]).tolist()  # one read
     sums = {"clipped": read[0], "entropy": read[1], "loss_tokens": loss_tokens}
     norms, losses = read[2:2 + len(norms)], read[2 + len(norms):]
-    return Result({**update_metrics(batch, view, g, sums, router),
-                   **optimizer_metrics(norms, losses, skipped)}, skipped)
+    out = {**update_metrics(batch, view, g, sums, router),
+           **optimizer_metrics(norms, losses, skipped)}
+    if forks:  # over the optimizer steps: the model's tokens that kept their gradient, the bar
+        out.update(forking_frac=tracking.Mean(sum(m["forking_frac"].total for m in forks),
+                                              sum(m["forking_frac"].count for m in forks)),
+                   entropy_threshold=tracking.Max(max(m["entropy_threshold"].value
+                                                      for m in forks)))
+    return Result(out, skipped)
+
+
+def forking_now(actor, mini: batcher.Batch, cfg: Settings, moved: bool) -> batcher.Batch:
+    """Off-policy (more than one optimizer step a rollout), one step's forking tokens, chosen
+    as TRL chooses them at every step: grpo.top_entropy_quantile over the entropies of the
+    step's own tokens (every rank's) under the policy about to take it. For the first step
+    that is the policy before the update (its entropies came with the batch); once the policy
+    has `moved`, a pass without gradient over the step's samples takes them again."""
+    if moved:
+        mini = batcher.old_policy(mini, actor, cfg.passes, keep_logp=False, entropy=True)
+    return batcher.forking(mini, cfg.grpo.top_entropy_quantile)
 
 
 def accumulate_gradients(actor, batch: batcher.Batch, cfg: Settings,

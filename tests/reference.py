@@ -64,15 +64,20 @@ def padded_terms(logp, old_logp, adv, cfg, is_weight, ref_logp=None, mask=None, 
         weight = ratio.detach().clamp(max=1 + cfg.clip_high)
         surrogate, cut = weight * a * logp, ratio > 1 + cfg.clip_high
     elif policy in ("dppo_tv", "dppo_kl"):  # DPPO (arXiv 2602.04879): sg(min(r, cap)) A log p
-        p, q = logp.detach().exp(), old_logp.exp()  # in the divergence's trust region, else 0
+        # in the divergence's trust region around the anchor, else 0; the anchor the rollout's
+        # (the engine's logprobs, whose ratio is the correction: no weight on top) or the old's
+        rollout = getattr(cfg, "dppo_anchor", "rollout") == "rollout"
+        anchor = engine if rollout else old_logp
+        p, q = logp.detach().exp(), anchor.exp()
         if policy == "dppo_tv":
             up, down = p - q <= cfg.clip_high, q - p <= cfg.clip_low
         else:
-            kl = q * (old_logp - logp.detach()) + (1 - q) * ((1 - q + 1e-8) / (1 - p + 1e-8)).log()
+            kl = q * (anchor - logp.detach()) + (1 - q) * ((1 - q + 1e-8) / (1 - p + 1e-8)).log()
             up, down = (kl <= cfg.clip_high) | (p <= q), (kl <= cfg.clip_low) | (p >= q)
         inside = torch.where(a > 0, up, down)
-        surrogate = ratio.detach().clamp(max=cfg.dppo_ratio_cap) * a * logp * inside
-        cut = ~inside
+        r = (logp - anchor).exp().detach().clamp(max=cfg.dppo_ratio_cap)
+        surrogate, cut = r * a * logp * inside, ~inside
+        is_weight = torch.ones_like(is_weight) if rollout else is_weight
     elif policy == "sapo":
         tau = torch.where(a > 0, a.new_full((), cfg.sapo_tau_pos), a.new_full((), cfg.sapo_tau_neg))
         gate = torch.sigmoid(tau * (ratio - 1))

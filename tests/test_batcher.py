@@ -96,7 +96,7 @@ def test_a_batch_slice_keeps_what_its_samples_carry():
     (1, 1, 1.0, 0.0, []),  # on-policy, no forking, no KL: the update's forward is all
     (1, 2, 1.0, 0.0, ["old_policy"]),
     (1, 1, 0.3, 0.0, ["old_policy", "forking"]),  # on-policy: the pass for the entropies only
-    (2, 1, 0.3, 0.1, ["old_policy", "forking", "reference"]),
+    (2, 1, 0.3, 0.1, ["old_policy", "reference"]),  # off-policy: forking at each step
 ])
 def test_the_passes_without_gradient_are_batch_transforms(epochs, minis, rho, kl, want):
     """train_grpo.batch_transforms lists the passes the update's config needs, in order, after

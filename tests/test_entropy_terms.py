@@ -110,10 +110,12 @@ def test_forking_tokens_are_trls_high_entropy_mask(rho, world_of_one):
 
 
 def test_the_update_keeps_the_gradient_of_the_forking_tokens_only(world_of_one, monkeypatch):
-    """The update with top_entropy_quantile 0.3, on-policy: the tokens it trains are those
-    whose entropy under the policy before the step (transformers' logits) is at least the 0.7
-    quantile of every written token's; the forking_frac metric says 0.3 of them. Off-policy (2
-    mini-batches) the same selection rides on the old policy's pass: one pass, not two."""
+    """The update with top_entropy_quantile 0.3: the tokens it trains are those whose entropy
+    under the policy taking the optimizer step (transformers' logits) is at least the 0.7
+    quantile of the step's written tokens'; the forking_frac metric says 0.3 of them. On-policy
+    (one step: every token) that rides on one pass before the update. Off-policy (2
+    mini-batches) each step chooses over its own tokens: the first from that pass's entropies,
+    the second from one more pass (the policy has moved; here lr 0, so the same entropies)."""
     samples = varied_samples(4)
     samples[1].mask = [1] * 20 + [0] * 7 + [1] * 30
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, 0.8])
@@ -124,21 +126,63 @@ def test_the_update_keeps_the_gradient_of_the_forking_tokens_only(world_of_one, 
                                                                                 **k))
     monkeypatch.setattr(logprobs, "sample_pass",
                         lambda *a, **k: passes.append(k) or real_pass(*a, **k))
+    lengths = [len(s.response_ids) for s in samples]
+    written = [torch.tensor(s.mask or [1] * n, dtype=torch.bool) for s, n in zip(samples, lengths)]
     for minis in (1, 2):
         torch.manual_seed(0)  # model_for perturbs the norms with the global generator
         model = model_for("qwen2").double()
-        K = sum(len(s.response_ids) for s in samples)
-        h = naive(model, samples, torch.zeros(K, dtype=torch.float64), 0.7, 1.0)[1]
-        written = torch.cat([torch.tensor(s.mask or [1] * len(s.response_ids), dtype=torch.bool)
-                             for s in samples])
-        want = (h >= torch.quantile(h[written], 0.7)) & written
+        h = naive(model, samples, torch.zeros(sum(lengths), dtype=torch.float64), 0.7, 1.0)[1]
+        h = h.split(lengths)
+        want = [None] * len(samples)
+        for part in trainer.split_mini_batches(len(samples), minis,
+                                               torch.Generator().manual_seed(0)):
+            bar = torch.quantile(torch.cat([h[i][written[i]] for i in part]), 0.7)
+            for i in part:
+                want[i] = (h[i] >= bar) & written[i]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         cfg = grpo.GRPOConfig(top_entropy_quantile=0.3, mini_batches=minis, logprob_chunk=5)
         seen.clear()
         passes[:] = []
         m = reference.update(model, None, opt, reference.batch_of(samples, adv),
                              reference.settings(cfg, 0.7))
-        assert len(passes) == 1 and passes[0]["entropy"]  # the old policy's, if any, with it
-        assert torch.cat([seen[id(s)] for s in samples]).bool().equal(want)
-        frac = m["forking_frac"]
-        assert abs(frac.total / frac.count - want.sum().item() / written.sum().item()) < 1e-12
+        assert len(passes) == minis and all(k["entropy"] for k in passes)
+        assert all(seen[id(s)].bool().equal(w) for s, w in zip(samples, want)), minis
+        frac, kept = m["forking_frac"], sum(int(w.sum()) for w in want)
+        assert abs(frac.total / frac.count - kept / sum(int(w.sum()) for w in written)) < 1e-12
+
+
+def test_off_policy_each_step_chooses_under_the_policy_that_takes_it(world_of_one, monkeypatch):
+    """Two epochs over one mini-batch with a learning rate that moves the policy: the second
+    optimizer step's forking tokens are those of the entropies the model has then (transformers'
+    logits at that moment, the 0.7 quantile of the written tokens'), not the first step's."""
+    samples = varied_samples(4)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, 0.8])
+    lengths = [len(s.response_ids) for s in samples]
+    chosen, real_acc = [], trainer.accumulate_gradients
+
+    def spy(actor, batch, *a, **k):  # the step's choice, and the choice of the model now
+        h = []
+        with torch.no_grad():  # each response token's entropy at temperature 0.7, one by one
+            for s in batch.samples:  # (in the step's order: shuffled)
+                n = len(s.prompt_ids)
+                z = actor(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
+                logq = (z[n - 1:n - 1 + len(s.response_ids)].double() / 0.7).log_softmax(-1)
+                h.append(-(logq.exp() * logq).sum(-1))
+        h = torch.cat(h)
+        now = h >= torch.quantile(h, 0.7)
+        chosen.append((torch.cat(batch.forking).bool(), now, [id(s) for s in batch.samples]))
+        return real_acc(actor, batch, *a, **k)
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", spy)
+    torch.manual_seed(0)
+    model = model_for("qwen2").double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    cfg = grpo.GRPOConfig(top_entropy_quantile=0.3, ppo_epochs=2, logprob_chunk=5)
+    batch = reference.batch_of(samples, adv)
+    reference.update(model, None, opt, batch, reference.settings(cfg, 0.7))
+    (first, first_now, order1), (second, second_now, order2) = chosen
+    assert first.equal(first_now) and second.equal(second_now)
+    by_sample = [dict(zip(order, mask.split([lengths[ids.index(i)] for i in order])))
+                 for mask, order in ((first, order1), (second, order2))
+                 for ids in [[id(s) for s in samples]]]
+    assert any(not by_sample[0][i].equal(by_sample[1][i]) for i in order1)  # the policy moved

@@ -218,8 +218,9 @@ POLICY_VARIANTS = [
     # DPPO's trust regions, off-policy: bounds the near(0.3) old policy's tokens cross
     ("token_mean", 0.02, 0.02, 0.0, "k3", "tis", False, 1.0, "dppo_tv"),
     ("seq_mean", 0.002, 0.002, 0.05, "k1", "tis", False, 0.7, "dppo_kl"),
-    # grpo.dual_clip: off-policy ratios above c = 1.05 with a negative advantage meet the bound
-    ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 1.0, "ppo", False, 0.0, 1.05),
+    # grpo.dual_clip: off-policy ratios above c = 1.3 (> 1 + clip_high) with a negative advantage
+    #   meet the bound
+    ("token_mean", 0.2, 0.2, 0.0, "k3", "tis", False, 1.0, "ppo", False, 0.0, 1.3),
 ]
 
 

@@ -146,7 +146,8 @@ def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
         weight[1, 2] = 0.0
         old = old * 0.5 - 0.5  # sequences' w on both sides of phi's peak
     g = GRPOConfig(policy_loss=policy, loss_agg=agg, clip_low=low, clip_high=high,
-                   is_correction="seq_mask" if policy in ("gspo", "luspo") else "tis")
+                   is_correction="seq_mask" if policy in ("gspo", "luspo") else "tis",
+                   dppo_anchor="old")  # DPPO's recomputed anchor here: the loop's own ratio
     grpo.validate(g)
     args = (g, 10.0, 3.0, 6)  # n_tokens, n_seqs, max_len of the "global batch"
     lists = [x.tolist() for x in (logp, old, adv, mask, weight)]
@@ -163,7 +164,7 @@ def test_each_surrogate_against_its_paper_loop_in_fp64(policy, agg, low, high):
         assert phi.max() > 1.05 and 0 < phi.min() < 0.5 and phi[1] < 1e-20, phi
 
 
-@pytest.mark.parametrize("c", [1.2, 3.0])
+@pytest.mark.parametrize("c", [1.5, 3.0])
 def test_dual_clip_against_its_paper_loop_in_fp64(c):
     """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 4): a token's term is PPO's
     min(r A, clip(r, 1 - eps, 1 + eps) A), and for A < 0 at least c A: max(that, c A). Its
@@ -195,7 +196,19 @@ def test_dual_clip_against_its_paper_loop_in_fp64(c):
 
 
 def test_dual_clip_refusals():
-    for bad, match in (({"dual_clip": 1.0}, "needs c > 1"),
+    """Below or at 1 + clip_high the floor c A would bind inside PPO's clip range: for A < 0
+    and a ratio r in (c, 1 + clip_high], r A < c A, so a token PPO keeps would lose its
+    gradient (shown on one such token); refused, naming both fields and the fix."""
+    a, high = torch.tensor(-1.0), 0.2
+    grads = []
+    for c in (0.0, 1.1):  # PPO alone, then with a floor below 1 + clip_high
+        r = torch.tensor(1.15, requires_grad=True)  # inside PPO's range [0.8, 1.2]
+        surrogate, _ = grpo.ppo_clip(r, a, 0.2, high, c)
+        grads.append(float(torch.autograd.grad(surrogate, r, allow_unused=True)[0] or 0.0))
+    assert grads == [-1.0, 0.0]  # the floor took a gradient PPO keeps
+    for bad, match in (({"dual_clip": 1.0}, "c > 1 \\+ clip_high"),
+                       ({"dual_clip": 1.1, "clip_high": 0.2}, "grpo.dual_clip=1.1 with grpo.clip_high=0.2"),
+                       ({"dual_clip": 1.28, "clip_high": 0.28}, "within it, it cuts"),
                        ({"dual_clip": 3.0, "policy_loss": "cispo"}, "grpo.dual_clip=0"),
                        ({"dual_clip": 3.0, "policy_loss": "sapo"}, "grpo.dual_clip=0")):
         with pytest.raises(ValueError, match=match):
@@ -213,7 +226,8 @@ def test_on_policy_every_surrogate_is_reinforce(policy):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     agg = "seq_sum" if policy == "luspo" else "seq_mean"
-    g = GRPOConfig(policy_loss=policy, loss_agg=agg, is_correction="none")
+    g = GRPOConfig(policy_loss=policy, loss_agg=agg, is_correction="none",
+                   dppo_anchor="old")  # (anchored to the rollout: test_dppo_...)
     ours(policy, logp, logp.detach(), adv, mask, g, 8.0, 4.0, 5, torch.ones_like(mask))
     for i, length in enumerate([3, 1]):
         per = 4 if policy == "luspo" else 4 * length
@@ -434,3 +448,49 @@ def test_the_worked_example_of_a_new_loss_trains_as_the_docs_say(monkeypatch):
     assert int(cut) == int(((adv > 0) & (ratio > 1.1)).sum()) > 0
     g.policy_loss = "ppo"
     assert abs(grpo.grpo_loss(logp, t, g)[0] - loss) > 1e-6
+
+
+@pytest.mark.parametrize("policy, low, high", [("dppo_tv", 0.2, 0.2), ("dppo_kl", 0.05, 0.05)])
+def test_dppo_anchored_to_the_rollout_masks_what_the_paper_masks_on_policy(policy, low, high):
+    """DPPO as its paper writes it (arXiv 2602.04879, section 4 and Takeaway 2; its authors'
+    sail-sg/Stable-RL compute_policy_loss_with_mask), in plain torch, fp64: the trust region and
+    the ratio against the rollout (behaviour) policy, the engine's logprobs, with no other
+    importance weight. On-policy (the old logprob is this forward's own) with a 0.7-nat
+    engine/trainer gap: grpo.grpo_loss masks exactly the tokens that form masks (many of them),
+    its loss and gradient within 1e-12, and grpo.is_correction adds nothing on top. The old
+    anchor (grpo.dppo_anchor=old, the paper's recomputed ablation) masks none on-policy: its
+    divergence is 0 there, and it is REINFORCE times the mismatch weight."""
+    gen = torch.Generator().manual_seed(7)
+    n = 300
+    logp = -3 * torch.rand(n, generator=gen, dtype=torch.float64)  # p in (0.05, 1]
+    engine = (logp + 0.7 * torch.randn(n, generator=gen, dtype=torch.float64)).clamp(max=0)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    coef = torch.full((n,), 1 / n, dtype=torch.float64)
+    p, q = logp.exp(), engine.exp()
+    if policy == "dppo_tv":
+        out_up, out_down = p - q > high, p - q < -low
+    else:
+        kl = q * (engine - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > high) & (p > q), (kl > low) & (p < q)
+    valid = ~torch.where(adv > 0, out_up, out_down)
+    lp = logp.clone().requires_grad_()
+    want = -(adv * (lp - engine).exp().clamp(max=3.0).detach() * valid * lp * coef).sum()
+    (want_grad,) = torch.autograd.grad(want, lp)
+    t = grpo.Tokens(adv=adv, coef=coef, written=torch.ones_like(adv), engine=engine)
+    for mode in ("none", "tis"):
+        g = GRPOConfig(policy_loss=policy, clip_low=low, clip_high=high, is_correction=mode)
+        lp = logp.clone().requires_grad_()
+        loss, cut = grpo.grpo_loss(lp, t, g)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert abs(loss - want) < 1e-12 and (grad - want_grad).abs().max() < 1e-12, mode
+        assert int(cut) == int((~valid).sum()) and 0.05 * n < int(cut) < 0.9 * n, int(cut)
+        _, each = grpo.dppo(logp, engine, adv, g)
+        assert torch.equal(each, ~valid)
+    old = GRPOConfig(policy_loss=policy, clip_low=low, clip_high=high, dppo_anchor="old",
+                     is_correction="tis")
+    lp = logp.clone().requires_grad_()
+    loss, cut = grpo.grpo_loss(lp, t, old)
+    (grad,) = torch.autograd.grad(loss, lp)
+    w = grpo.mismatch_weights(logp[None], engine[None], torch.ones(1, n, dtype=torch.float64),
+                              "tis", old.is_cap)[0]
+    assert int(cut) == 0 and (grad - (-adv * w * coef)).abs().max() < 1e-12
