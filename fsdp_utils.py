@@ -224,8 +224,12 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                 position_ids=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
     """A transformers attention function; query (1, heads, N, dim) for a packed row. Its
     boundaries: cu_seq_lens_q (samples + 1,) and max_length_q (an int) when given, else read from
-    the position ids (two reads back to the host per layer)."""
+    the position ids (two reads back to the host per layer); a row whose groups share their
+    prompt (kwargs' shared_segments: logprobs.shared_row) goes to shared_sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (segments := kwargs.get("shared_segments")) is not None:
+        return shared_sdpa(module, query, key, value, segments, scaling, dropout)
 
     if attention_mask is not None and attention_mask.dim() == 2:  # (B, T): 1 = token, 0 = pad
         T = attention_mask.shape[1]
@@ -255,6 +259,35 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
         dropout_p=dropout if module.training else 0.0, enable_gqa=key.shape[1] != query.shape[1])
     return out[seq, :, pos].unsqueeze(0), None  # (1, N, h, d), as transformers' sdpa returns
+
+
+def shared_sdpa(module, query, key, value, segments: dict, scaling=None, dropout=0.0):
+    """Attention over a packed row whose groups hold their prompt once (logprobs.shared_row):
+    query (1, h, N, d), key and value (1, h_kv, N, d). Each prompt attends causally to itself;
+    each response to its prompt's keys and values, gathered in front of its own, and causally
+    to its own: bottom-right alignment, segments["keep"] (logprobs.segment_layout). Only keys and
+    values are gathered (a response's prompt K/V, once per response); their gradients add up
+    over the group's responses as the gather's backward sums them. Returns (1, N, h, d)."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, h, d)
+    gqa, drop = key.shape[1] != query.shape[1], dropout if module.training else 0.0
+    out = q.new_zeros(q.shape)  # (N, h, d): every position written once, below
+
+    def attend(rows, kv_rows, **mask):  # (S, L) positions -> (S, L, h, d)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(1, 2), k[kv_rows].transpose(1, 2), v[kv_rows].transpose(1, 2),
+            scale=scaling, dropout_p=drop, enable_gqa=gqa, **mask).transpose(1, 2)
+
+    for rows, real, kv, mask in (
+            (segments["prompt"], segments["prompt_real"], segments["prompt"],
+             {"is_causal": True}),
+            (segments.get("query"), segments.get("query_real"), segments.get("kv"),
+             {"attn_mask": segments.get("keep")})):
+        if rows is not None:
+            out = out.index_put((rows[real],), attend(rows, kv, **mask)[real])
+    return out[None], None
+
+
+packed_sdpa.shares_prefix = True  # rows whose groups hold their prompt once (trainer.shared_prefix)
 
 
 def register_attention(attn: str, split=None) -> str:

@@ -42,7 +42,7 @@ from typing import Annotated
 import torch
 
 import tracking
-from config import FLAG, OneOf, Range, need
+from config import FLAG, BadInput, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 
@@ -170,6 +170,13 @@ class GRPOConfig:
     pack: Annotated[bool, FLAG] = True
     # output-layer rows at a time: at most (chunk x vocab) fp32 logits
     logprob_chunk: Annotated[int, Range(1)] = 1024
+    # each group's prompt once in the update's packed rows, its responses after it, each
+    #   attending to its keys and values (the prompt's forward and backward once a group, its
+    #   gradient their sum): on; auto, where it saves work (logprobs.sharing: the repeated
+    #   prompts a tenth of the tokens or more); off. Packed rows of a model without
+    #   linear-attention layers, without sequence parallelism or routing replay, on an
+    #   attention that takes it (fsdp_utils.shared_sdpa); else auto is off, on refused
+    shared_prefix: Annotated[str, OneOf("auto", "on", "off")] = "auto"
 
     def check(self, cfg, world_size: int) -> None:
         """The section against the run (config.validate calls it): dynamic sampling's rounds,
@@ -183,12 +190,35 @@ class GRPOConfig:
              f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
              f"({max_new_tokens}); got {self.overlong_buffer}")
         validate(self)
+        self.check_model(cfg, None)
+
+    def check_model(self, cfg, text: dict | None) -> None:
+        """grpo.shared_prefix=on where the update cannot hold each prompt once (sharing_blocker:
+        the config, and the model's config.json where `text` has it): BadInput."""
+        if self.shared_prefix == "on" and (why := sharing_blocker(cfg, text)):
+            raise BadInput(f"config: grpo.shared_prefix=on {why}. Fix: grpo.shared_prefix=auto "
+                           "(off where it cannot run), or off")
         if self.policy_loss in DPPO and self.dppo_anchor == "rollout" and (
                 self.is_correction != "none"):
             log.warning("grpo.policy_loss=%s anchored to the rollout: its ratio to the engine's "
                         "logprobs is its correction, and grpo.is_correction=%s is not applied "
                         "on top (grpo.is_correction=none says so and silences this)",
                         self.policy_loss, self.is_correction)
+
+
+def sharing_blocker(cfg, text: dict | None = None) -> str | None:
+    """Why the run's update cannot hold each group's prompt once (grpo.shared_prefix), from its
+    config tree and, where given, the model's config.json (`text`): one phrase, or None."""
+    if not cfg.grpo.pack:
+        return "needs packed rows (grpo.pack=true)"
+    if cfg.model.sp_size > 1:
+        return "does not split a row over ranks (model.sp_size > 1)"
+    if cfg.model.routing_replay:
+        return "does not lay out the engine's routing (model.routing_replay)"
+    if text is not None and "linear_attention" in (text.get("layer_types") or ()):
+        return ("does not carry a prompt's recurrent state into its responses (the model's "
+                "linear-attention layers)")
+    return None
 
 
 def validate(cfg: GRPOConfig) -> None:

@@ -101,14 +101,115 @@ def packed_sample_cap(config, split=None) -> int:
     return cap - 1 if cap and split is not None else cap
 
 
-def micro_batch_plan(samples: list, budget: int, packed: bool, config=None,
-                     split=None) -> list[list[int]]:
-    """plan_micro_batches, topped up with empty entries so that every rank runs as many forwards
-    as the busiest (FSDP all-gathers per forward); an empty entry is a zero-loss DUMMY forward.
-    Packed rows hold at most as many samples as the model's attention takes, padding included
-    (packed_sample_cap; split: the seq_parallel.Split the rows are split over, or None)."""
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], budget,
-                              packed, packed_sample_cap(config, split) if packed else 0)
+# grpo.shared_prefix=auto: where a rank's repeated prompts are this much of its tokens
+SHARED_MIN_SAVED = 0.1
+
+
+def sharing(samples: list, how: "Passes") -> bool:
+    """Whether these samples' rows hold each group's prompt once: how.shared_prefix "on", or
+    "auto" where it saves work, the groups' repeated prompts at least SHARED_MIN_SAVED of the
+    samples' tokens. On CPU the update's time follows its tokens down to the tiny task's
+    5-token prompts (bench/prefix.py); below a tenth the saving would be small beside what an
+    accelerator's masked attention may cost over its causal kernel (not measured here)."""
+    if how.shared_prefix != "auto" or not samples:
+        return how.shared_prefix == "on" and bool(samples)
+    groups = shared_groups(samples)
+    repeated = sum((len(g) - 1) * len(samples[g[0]].prompt_ids) for g in groups)
+    total = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    return repeated >= SHARED_MIN_SAVED * total
+
+
+def row_tokens(samples: list, shared: bool) -> int:
+    """The tokens a row of these samples holds (padding aside): each sample's prompt and
+    response, or with `shared` each group's prompt once (shared_row)."""
+    responses = sum(len(s.response_ids) for s in samples)
+    if shared:
+        return responses + sum(len(samples[g[0]].prompt_ids) for g in shared_groups(samples))
+    return responses + sum(len(s.prompt_ids) for s in samples)
+
+
+def unshared(model) -> str | None:
+    """Why `model` cannot take rows whose groups hold their prompt once (shared_row), one
+    phrase, or None: linear-attention layers (a response would start from a recurrent state
+    its prompt never wrote), or an attention function without `shares_prefix`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = getattr(model.config, "text_config", None) or model.config
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return ("does not carry a prompt's recurrent state into its responses (the model's "
+                "linear-attention layers)")
+    attn = getattr(config, "_attn_implementation", None) or ""
+    if not getattr(ALL_ATTENTION_FUNCTIONS.get(attn), "shares_prefix", False):
+        return f"needs an attention that takes shared rows, which {attn} does not"
+    return None
+
+
+def shared_groups(samples: list) -> list[list[int]]:
+    """The samples' indices by prompt (the same prompt_ids and the same images), in first-seen
+    order: a GRPO group's samples, or those of it in this list."""
+    found = {}
+    for i, s in enumerate(samples):
+        alike = found.setdefault(tuple(s.prompt_ids), [])
+        group = next((g for g in alike if same_images(samples[g[0]], s)), None)
+        if group is None:
+            alike.append(group := [])
+        group.append(i)
+    return sorted((g for alike in found.values() for g in alike), key=lambda g: g[0])
+
+
+def same_images(a, b) -> bool:
+    """Whether two samples' prompts hold the same images (records.Sample.vision): none, the
+    same record (a group's samples share theirs), or equal patches."""
+    u, v = getattr(a, "vision", None), getattr(b, "vision", None)
+    return u is v or (u is not None and v is not None and torch.equal(u.grid_thw, v.grid_thw)
+                      and torch.equal(u.pixel_values, v.pixel_values))
+
+
+def plan_shared(samples: list, budget: int, max_segments: int = 0) -> list[list[int]]:
+    """plan_micro_batches for rows whose groups hold their prompt once (shared_row): a unit is
+    a prompt and as many of its group's responses (longest first) as fit `budget` tokens with
+    it, a segment each and one for the prompt (at most `max_segments` a row, 0: any number); the
+    units, longest first, into rows by first fit. Returns each row's sample indices, a unit's
+    consecutive."""
+    units = []
+    for group in shared_groups(samples):
+        prompt = len(samples[group[0]].prompt_ids)
+        unit, room = [], budget - prompt
+        for i in sorted(group, key=lambda i: -len(samples[i].response_ids)):
+            n = len(samples[i].response_ids)
+            if unit and (n > room or (max_segments and len(unit) + 2 > max_segments)):
+                units.append(unit)
+                unit, room = [], budget - prompt
+            unit.append(i)
+            room -= n
+        units.append(unit)
+    cost = [len(samples[u[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in u)
+            for u in units]
+    rows, room, segments = [], [], []
+    for u in sorted(range(len(units)), key=lambda u: -cost[u]):
+        fits = next((r for r in range(len(rows)) if cost[u] <= room[r] and not (
+            max_segments and segments[r] + len(units[u]) + 1 > max_segments)), None)
+        if fits is None:
+            rows.append([])
+            room.append(budget)
+            segments.append(0)
+            fits = len(rows) - 1
+        rows[fits] += units[u]
+        room[fits] -= cost[u]
+        segments[fits] += len(units[u]) + 1
+    return rows
+
+
+def micro_batch_plan(samples: list, budget: int, packed: bool, config=None, split=None,
+                     shared: bool = False) -> list[list[int]]:
+    """plan_micro_batches (shared: plan_shared), topped up with empty entries so that every rank
+    runs as many forwards as the busiest (FSDP all-gathers per forward); an empty entry is a
+    zero-loss DUMMY forward. Packed rows hold at most as many samples (segments) as the model's
+    attention takes, padding included (packed_sample_cap; split: the seq_parallel.Split the
+    rows are split over, or None)."""
+    cap = packed_sample_cap(config, split) if packed else 0
+    plan = (plan_shared(samples, budget, cap) if shared else plan_micro_batches(
+        [len(s.prompt_ids) + len(s.response_ids) for s in samples], budget, packed, cap))
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))
@@ -146,8 +247,8 @@ class MicroBatch:
         return x if self.local is None else x[self.local]
 
 
-def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
-                split=None) -> MicroBatch:
+def micro_batch(samples: list, pad_id: int, packed: bool, config=None, split=None,
+                shared: bool = False) -> MicroBatch:
     """Lay out `samples` on the host. packed: one row of the samples end to end, position ids
     restarting at 0 for each, and the row's boundaries as transformers' flash attention takes
     them (cu_seq_lens_q/k, max_length_q/k), which fsdp_utils.packed_sdpa reads too, plus the
@@ -157,7 +258,8 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
     (see PREPARED_MASKS; config: the model's). The mask is 1 on the tokens the model wrote:
     all of a response, or where a sample's own `mask` says so. split (seq_parallel.Split, packed
     only): this rank's share of the row (split_row). A vision-language model (config) also
-    gets its multimodal positions and the samples' images (vision.row_inputs, batch_inputs)."""
+    gets its multimodal positions and the samples' images (vision.row_inputs, batch_inputs).
+    shared (packed, no split): each group's prompt once (shared_row)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     lens = torch.tensor([len(x) for x in seqs])
     prompt = torch.tensor([len(s.prompt_ids) for s in samples])
@@ -165,7 +267,9 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
     resp = torch.tensor(lengths)
     seq = torch.repeat_interleave(torch.arange(len(samples)), resp)  # (K,)
     col = torch.arange(int(resp.sum())) - torch.repeat_interleave(resp.cumsum(0) - resp, resp)
-    if packed:
+    if shared:
+        inputs, rows, source = shared_row(samples)
+    elif packed:
         starts = lens.cumsum(0) - lens  # (n,) each sample's first row
         ids = torch.tensor([t for x in seqs for t in x])[None]  # (1, R)
         positions = torch.arange(ids.shape[1]) - torch.repeat_interleave(starts, lens)
@@ -181,13 +285,16 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
         for i, x in enumerate(seqs):
             ids[i, :len(x)] = torch.tensor(x)
         inputs = {"input_ids": ids}
-    if vision.is_vision_language(config):  # multimodal positions, and the images
+    if vision.is_vision_language(config) and shared:  # multimodal positions, the images
+        inputs.update(vision.row_inputs(samples, inputs["position_ids"][0], source,
+                                        [samples[g[0]] for g in shared_groups(samples)]))
+    elif vision.is_vision_language(config):
         inputs.update(vision.row_inputs(samples, positions) if packed
                       else vision.batch_inputs(samples, ids.shape[1]))
-    # position p - 1 + j of sample i predicts its response token j (p: its prompt's length)
-    rows = (starts + prompt - 1)[seq] + col
+    if not shared:  # position p - 1 + j of sample i predicts its response token j (p: its
+        rows = (starts + prompt - 1)[seq] + col  # prompt's length)
     positions = inputs["input_ids"].numel()
-    real = (torch.ones(positions, dtype=torch.bool) if packed  # a packed row has no padding
+    real = (torch.ones(positions, dtype=torch.bool) if packed or shared  # a row: no padding
             else (torch.arange(ids.shape[1])[None] < lens[:, None]).reshape(-1))
     if getattr(config, "model_type", None) in PREPARED_MASKS:
         inputs["attention_mask"] = {t: None for t in set(config.layer_types)}
@@ -197,8 +304,68 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None,
                     targets=torch.tensor([t for s in samples for t in s.response_ids]),
                     seq=seq, col=col, lengths=lengths,
                     mask=torch.zeros(len(samples), max(lengths)).index_put_((seq, col), written),
-                    real=real, routing=moe.given_routing(samples, starts, positions))
+                    real=real, routing=None if shared else moe.given_routing(samples, starts,
+                                                                            positions))
     return mb if split is None else split_row(mb, split, pad_id)
+
+
+def shared_row(samples: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A packed row in which each group of samples sharing a prompt (shared_groups) holds the
+    prompt once, then the group's responses, each response's positions continuing from the
+    prompt's length: the model's input ids and position ids, its attention's `shared_segments`
+    (each prompt a segment, each response one whose keys are its prompt's and its own:
+    segment_layout); each response token's row (K,) in sample order; and where each of the
+    row's positions sits in the samples laid end to end (the repeated layout; for a
+    vision-language model's positions and images: vision.row_inputs). The first token of a
+    response is predicted at its prompt's last row, which every response of the group shares;
+    each later one at the token before it."""
+    # where each sample starts in the repeated layout
+    begins = [0] + torch.tensor([len(s.prompt_ids) + len(s.response_ids)
+                                 for s in samples]).cumsum(0).tolist()
+    ids, pos, source, segments, first, start = [], [], [], [], {}, {}
+    for group in shared_groups(samples):
+        prompt, base = samples[group[0]].prompt_ids, len(ids)
+        ids += prompt
+        pos += range(len(prompt))
+        source += range(begins[group[0]], begins[group[0]] + len(prompt))
+        segments.append((base, len(prompt), base, 0))
+        for i in group:
+            response = samples[i].response_ids
+            start[i], first[i] = len(ids), base + len(prompt) - 1
+            segments.append((len(ids), len(response), base, len(prompt)))
+            ids += response
+            pos += range(len(prompt), len(prompt) + len(response))
+            source += range(begins[i + 1] - len(response), begins[i + 1])
+    rows = torch.tensor([first[i] if j == 0 else start[i] + j - 1
+                         for i, s in enumerate(samples) for j in range(len(s.response_ids))])
+    return ({"input_ids": torch.tensor(ids)[None], "position_ids": torch.tensor(pos)[None],
+             "shared_segments": segment_layout(segments)}, rows, torch.tensor(source))
+
+
+def segment_layout(segments: list) -> dict:
+    """The index tensors an attention takes a shared row with (fsdp_utils.shared_sdpa), from
+    its segments (start, length, prefix start, prefix length): "prompt" (S_p, L_p), each
+    prompt's positions, padded with its first; "query" (S_r, L_r), each response's; "kv" (S_r,
+    L_k), its prefix's positions then its own; "keep" (S_r, 1, L_r, L_k) bool, which keys each
+    response position sees: its prefix, and its own up to itself (bottom-right causal); and
+    "prompt_real", "query_real", which positions of those are the row's (not padding)."""
+    def padded(ranges):  # [[positions...]] -> (S, L) long, its first repeated, and (S, L) bool
+        width = max(len(r) for r in ranges)
+        index = torch.tensor([r + [r[0]] * (width - len(r)) for r in ranges])
+        return index, torch.arange(width)[None] < torch.tensor([len(r) for r in ranges])[:, None]
+
+    prompts = [list(range(s, s + n)) for s, n, _, p in segments if p == 0]
+    responses = [(list(range(s, s + n)), list(range(b, b + p))) for s, n, b, p in segments if p]
+    out = {}
+    out["prompt"], out["prompt_real"] = padded(prompts)
+    if responses:
+        out["query"], out["query_real"] = padded([own for own, _ in responses])
+        kv, kv_real = padded([prefix + own for own, prefix in responses])
+        prefix = torch.tensor([len(p) for _, p in responses])[:, None, None]  # (S_r, 1, 1)
+        q = torch.arange(out["query"].shape[1])[None, :, None]  # (1, L_r, 1)
+        k = torch.arange(kv.shape[1])[None, None, :]  # (1, 1, L_k)
+        out["kv"], out["keep"] = kv, ((k <= prefix + q) & kv_real[:, None, :])[:, None]
+    return out
 
 
 def split_row(mb: MicroBatch, split, pad_id: int) -> MicroBatch:
@@ -265,6 +432,9 @@ class Passes:
     pack: bool = True  # a micro-batch is one row of samples end to end, no padding
     pad_id: int = 0  # the padding token (padded micro-batches)
     device: object = "cpu"  # where the model computes
+    # packed rows hold each group's prompt once (shared_row): "on", "auto" (where it saves
+    #   work: `sharing`) or "off"; on and auto only where the model takes it (grpo.shared_prefix)
+    shared_prefix: str = "off"
 
 
 @dataclass(frozen=True)
@@ -474,7 +644,8 @@ class _FusedOutputLayer(torch.autograd.Function):
             k = slice(s, s + how.chunk)
             logp, entropy, value, clipped, dz = _chunk_grad(h[k], weight, bias, mb.targets[k],
                                                             written[k], how, objective, k)
-            grad_hidden.index_copy_(0, mb.rows[k], dz @ weight)  # (c, H)
+            grad_hidden.index_add_(0, mb.rows[k], dz @ weight)  # (c, H); a shared prompt's
+            #   last row predicts each of its responses' first token: theirs add up
             if grad_weight is not None and dz.dtype == grad_weight.dtype:
                 grad_weight.addmm_(dz.t(), h[k])  # (V, H)
             elif grad_weight is not None:  # a GEMM in the compute dtype, summed in fp32
@@ -606,10 +777,12 @@ def sample_pass(model, samples: list, how: Passes, top_k: int = 0, entropy: bool
     reference's). split: the seq_parallel.Split whose ranks hold these same samples, each
     running its share of every row (a model built with model.sp_size), or None."""
     model.eval()
-    found = {}
-    for idx in micro_batch_plan(samples, how.micro_batch_tokens, how.pack, model.config, split):
+    found, shared = {}, sharing(samples, how)
+    for idx in micro_batch_plan(samples, how.micro_batch_tokens, how.pack, model.config, split,
+                                shared):
         batch = [samples[i] for i in idx] or [DUMMY]
-        mb = to_device(micro_batch(batch, how.pad_id, how.pack, model.config, split), how.device)
+        mb = to_device(micro_batch(batch, how.pad_id, how.pack, model.config, split, shared),
+                       how.device)
         with moe.routing(model, mb.routing if replay else None):
             out = run(model, mb, how, top_k=top_k, entropy=entropy)
         for name, x in out.items():

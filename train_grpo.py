@@ -133,6 +133,7 @@ class Run:
     opt: torch.optim.Optimizer = None
     sched: object = None
     split: seq_parallel.Split = None  # the sequence-parallel group (model.sp_size > 1), or None
+    sharing: str = "off"  # grpo.shared_prefix as the actor runs it (trainer.shared_prefix)
     scoring: grpo.Scoring = None  # how a rollout is scored: the sampler's and grpo.score's
     settings: trainer.Settings = None  # what the update takes of the run besides its batch
     batcher: "batcher.Batcher" = None  # a scored rollout -> this rank's batcher.Batch
@@ -373,6 +374,7 @@ def build_trainer(run: Run) -> None:
         run.teacher = distill.build_teacher(cfg.distill, cfg.model, mesh)
     run.opt, run.sched = fsdp_utils.build_optimizer(cfg.optim, run.actor, cfg.train.steps)
     run.split = seq_parallel.split(cfg.model.sp_size)  # (made by build_actor: the same group)
+    run.sharing = trainer.shared_prefix(run.actor, cfg)  # each group's prompt once, or not
     update_parts(run)
     run.trainable = fsdp_utils.trainable(run.actor)
     run.flops = fsdp_utils.flops_per_token(run.actor)
@@ -451,7 +453,8 @@ def update_parts(run: Run) -> None:
     cfg = run.applied
     run.settings = trainer.settings(cfg.grpo, cfg.rollout.temperature, cfg.rollout.top_p,
                                     cfg.rollout.max_new_tokens, cfg.optim.grad_clip,
-                                    run.tokenizer.pad_token_id or 0, npu_ops.local_device())
+                                    run.tokenizer.pad_token_id or 0, npu_ops.local_device(),
+                                    run.sharing)
     run.scoring = dataclasses.replace(run.scoring, cfg=cfg.grpo)
     run.batcher = batcher.Batcher(run.group, cfg.train.seed, run.rank, batch_transforms(run))
     for part in (run.engine, run.tracker):  # the engine before the sampler: agents' sampling

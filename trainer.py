@@ -13,6 +13,7 @@ with its own share of the samples (possibly none).
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -20,11 +21,14 @@ import torch
 import torch.distributed as dist
 
 import batcher
+import config
 import fsdp_utils
 import grpo
 import logprobs
 from modeling import moe
 import tracking
+
+log = logging.getLogger("grpo")
 
 
 @dataclass(frozen=True)
@@ -37,14 +41,28 @@ class Settings:
 
 
 def settings(g: grpo.GRPOConfig, temperature: float = 1.0, top_p: float = 1.0,
-             max_len: int = 1, grad_clip: float = 0.0, pad_id: int = 0,
-             device="cpu") -> Settings:
+             max_len: int = 1, grad_clip: float = 0.0, pad_id: int = 0, device="cpu",
+             shared_prefix: str = "off") -> Settings:
     """The update's settings from the grpo section (its micro-batches and chunks) and what the
     update takes of the rest of the run: the engine's sampling distribution (temperature, top_p)
-    and max_new_tokens (max_len), optim.grad_clip, the padding token, the device."""
+    and max_new_tokens (max_len), optim.grad_clip, the padding token, the device, and
+    grpo.shared_prefix as the actor runs it (`shared_prefix`)."""
     passes = logprobs.Passes(temperature, top_p, g.logprob_chunk, g.micro_batch_tokens, g.pack,
-                             pad_id, device)
+                             pad_id, device, shared_prefix)
     return Settings(g, passes, max_len, grad_clip)
+
+
+def shared_prefix(actor, cfg) -> str:
+    """grpo.shared_prefix as the built actor can run it: "off" where it cannot (the config:
+    grpo.sharing_blocker; the model: logprobs.unshared), said once for auto and refused in one
+    line for on; else as set."""
+    why = grpo.sharing_blocker(cfg) or logprobs.unshared(actor)
+    if why and cfg.grpo.shared_prefix == "on":
+        raise config.BadInput(f"config: grpo.shared_prefix=on {why}. Fix: grpo.shared_prefix="
+                              "auto (off where it cannot run), or off")
+    if why and cfg.grpo.shared_prefix == "auto":
+        log.info("grpo.shared_prefix=auto: off, as it %s", why)
+    return "off" if why else cfg.grpo.shared_prefix
 
 
 @dataclass
@@ -67,7 +85,7 @@ def update(actor, opt, batch: batcher.Batch, cfg: Settings) -> Result:
     # the sampling policy as the trainer computes it: the pass before the update (off-policy),
     # else the update's own forward
     view = batch.old_logp
-    loss_tokens, norms, losses, skipped, forks = 0, [], [], [], []
+    loss_tokens, seen, norms, losses, skipped, forks = 0, 0, [], [], [], []
     clipped, entropy = torch.zeros((), device=device), torch.zeros((), device=device)
     shuffle = torch.Generator().manual_seed(batch.seed)
     router = moe.RouterStats() if moe.routers(actor) else None  # a mixture of experts'
@@ -83,6 +101,7 @@ def update(actor, opt, batch: batcher.Batch, cfg: Settings) -> Result:
                 view = [lp for _, lp in sorted(zip(part, logp), key=lambda x: x[0])]
             clipped += stats["clipped"]
             loss_tokens += sum(samples[i].model_tokens for i in part)
+            seen += stats["seen"]
             if epoch == 0:  # entropy of the policy as it meets this rollout
                 entropy += stats["entropy"]
             norms.append(fsdp_utils.clip_grad_norm(actor, cfg.grad_clip))
@@ -92,7 +111,7 @@ def update(actor, opt, batch: batcher.Batch, cfg: Settings) -> Result:
                 opt.step()
             opt.zero_grad(set_to_none=True)
     read = torch.stack([clipped, entropy, *norms, *losses]).tolist()  # one read
-    sums = {"clipped": read[0], "entropy": read[1], "loss_tokens": loss_tokens}
+    sums = {"clipped": read[0], "entropy": read[1], "loss_tokens": loss_tokens, "seen": seen}
     norms, losses = read[2:2 + len(norms)], read[2 + len(norms):]
     out = {**update_metrics(batch, view, g, sums, router),
            **optimizer_metrics(norms, losses, skipped)}
@@ -125,7 +144,7 @@ def accumulate_gradients(actor, batch: batcher.Batch, cfg: Settings,
     added to `router`. Without batch.old_logp the update is on-policy: the old logprob is this
     forward's own, detached (ratio 1). Returns this forward's logp per sample ((n_i,) CPU
     tensors, read back once) and sums for the metrics: clipped tokens, entropy and the loss,
-    0-dim tensors left on the device."""
+    0-dim tensors left on the device, and "seen", the tokens its rows held (an int)."""
     g, samples, how = cfg.grpo, batch.samples, cfg.passes
     tokens = float(sum(s.model_tokens for s in samples))
     kept = (tokens if batch.forking is None  # the entropy bonus's tokens
@@ -135,13 +154,15 @@ def accumulate_gradients(actor, batch: batcher.Batch, cfg: Settings,
     counts = tuple(x / batch.sp for x in counts.tolist())  # a group's ranks: the same samples
     stats = {k: torch.zeros((), device=how.device) for k in ("clipped", "entropy", "loss")}
     if counts[0] == 0:  # nothing to learn from on any rank (all ranks see the same counts)
-        return [torch.zeros(0)] * len(samples), stats
+        return [torch.zeros(0)] * len(samples), {**stats, "seen": 0}
     actor.train()
-    plan, found = logprobs.micro_batch_plan(samples, how.micro_batch_tokens, how.pack,
-                                            actor.config, batch.split), []
+    shared = logprobs.sharing(samples, how)  # each group's prompt once in its row
+    plan, found, seen = logprobs.micro_batch_plan(samples, how.micro_batch_tokens, how.pack,
+                                                  actor.config, batch.split, shared), [], 0
     for k, idx in enumerate(plan):
         part = batch.of(idx) if idx else batch.stand_in()
-        mb = logprobs.micro_batch(part.samples, how.pad_id, how.pack, actor.config, batch.split)
+        mb = logprobs.micro_batch(part.samples, how.pad_id, how.pack, actor.config, batch.split,
+                                  shared)
         full = logprobs.to_device(objective(part, mb, cfg, counts), how.device)
         mb = logprobs.to_device(mb, how.device)
         with moe.routing(actor, mb.routing, router if idx else None, mb.real):
@@ -153,7 +174,8 @@ def accumulate_gradients(actor, batch: batcher.Batch, cfg: Settings,
             for name in stats:
                 stats[name] = stats[name] + out[name].detach()  # in the wider dtype
             found.append((idx, out["logp"], mb.lengths))
-    return logprobs.per_sample(found, len(samples)), stats
+            seen += logprobs.row_tokens(part.samples, shared)
+    return logprobs.per_sample(found, len(samples)), {**stats, "seen": seen}
 
 
 def objective(batch: batcher.Batch, mb, cfg: Settings, counts: tuple) -> logprobs.Objective:
@@ -281,9 +303,9 @@ def update_metrics(batch: batcher.Batch, old_logp: list, cfg: grpo.GRPOConfig, s
     samples) each rank's sums are its own share of the tokens."""
     samples, sp = batch.samples, batch.sp
     tokens, loss_tokens = sum(s.model_tokens for s in samples) / sp, sums["loss_tokens"] / sp
-    # the tokens the passes' forwards and backwards saw, and the rows of the output layer among
-    # them (the update's FLOPs: fsdp_utils.flops_per_token)
-    seen = cfg.ppo_epochs * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) / sp
+    # the tokens the passes' forwards and backwards saw (a shared prompt once a row), and the
+    # rows of the output layer among them (the update's FLOPs: fsdp_utils.flops_per_token)
+    seen = sums["seen"] / sp
     rows = cfg.ppo_epochs * sum(len(s.response_ids) for s in samples) / sp
     old_logp = batcher.written(samples, old_logp)  # the metrics below are over the model's tokens
     engine = batcher.written(samples, [s.logp for s in samples])

@@ -168,3 +168,19 @@ def train_until(cmd: list, log_path: str, env: dict, stop=None):
                 proc.wait()
                 return None
     return f"exit {proc.returncode}; its output: {log_path}" if proc.returncode else None
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saved while fn() ran its forward."""
+    import torch
+
+    seen = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            seen[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

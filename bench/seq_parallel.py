@@ -29,23 +29,9 @@ import batcher  # noqa: E402
 import fsdp_utils  # noqa: E402
 from modeling import seq_parallel  # noqa: E402
 import trainer  # noqa: E402
-from common import random_qwen2  # noqa: E402
+from common import random_qwen2, saved_bytes  # noqa: E402
 from records import Sample  # noqa: E402
 from train_grpo import init_distributed, load_config  # noqa: E402
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saved while fn() ran its forward."""
-    seen = {}
-
-    def pack(t):
-        if t.device.type != "meta":
-            seen[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def main() -> None:

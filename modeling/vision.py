@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 
 # what logprobs.micro_batch gives a packed row's text layers and the vision tower must not see:
-# the tower has boundaries of its own (one image each), which the first two would replace
-ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "packed_ends")
+# the tower has boundaries of its own (one image each), which the first two would replace, and
+# attends within each image, not by a shared row's layout (logprobs.shared_row)
+ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "packed_ends",
+            "shared_segments")
 
 
 @dataclass
@@ -77,16 +79,22 @@ def sample_positions(sample) -> torch.Tensor:
     return torch.cat([v.positions, (after + torch.arange(n - p)).expand(3, n - p)], 1)
 
 
-def row_inputs(samples: list, text_positions: torch.Tensor) -> dict:
+def row_inputs(samples: list, text_positions: torch.Tensor, source=None,
+               holders: list | None = None) -> dict:
     """A packed row's model inputs beyond its token ids, for a vision-language model:
     position_ids (4, 1, R): the row's text positions (text_positions, (R,)) above the samples'
     multimodal ones end to end; and where any sample has images, their pixel_values and
-    image_grid_thw in row order."""
+    image_grid_thw in row order. A row whose groups hold their prompt once (logprobs.shared_row)
+    gives `source`, (R,) where each of its positions sits in the samples end to end, and
+    `holders`, the samples whose prompts (and images) it holds, in row order."""
     mrope = torch.cat([sample_positions(s) for s in samples], 1)
+    prompt = torch.cat([torch.arange(len(s.prompt_ids) + len(s.response_ids))
+                        < len(s.prompt_ids) for s in samples])
+    if source is not None:
+        mrope, prompt = mrope[:, source], prompt[source]
     positions = torch.cat([text_positions[None], mrope])[:, None]
-    return _with_images(samples, {"position_ids": positions},
-                        lambda: torch.cat([torch.arange(len(s.prompt_ids) + len(s.response_ids))
-                                           < len(s.prompt_ids) for s in samples])[None])
+    return _with_images(samples if holders is None else holders, {"position_ids": positions},
+                        lambda: prompt[None])
 
 
 def batch_inputs(samples: list, width: int) -> dict:

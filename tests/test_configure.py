@@ -53,6 +53,7 @@ REFUSED = {
     "reward.concurrency", "env.name", "env.kind", "env.tool_parser", "env.max_turns",
     "env.max_tokens", "env.timeout_s", "env.workers", "env.concurrency", "env.on_failure",
     "env.reply_role", "env.unsafe_ok", "grpo.group_size", "grpo.prompts_per_step",
+    "grpo.shared_prefix",
     "distill.teacher", "distill.dtype", "train.seed", "train.resume", "train.dist_timeout_s",
     "log.out_dir", "log.wandb", "log.wandb_project", "log.run_name", "log.wandb_tags",
     "log.profile_steps"

@@ -42,7 +42,7 @@ ALLOWED = {
     # the algorithm's formulas: nothing of engines, files or sharding
     "grpo": {"tracking", "config"},
     # the update's machinery: the loop over a batch, micro-batches, the fused pass's objective
-    "trainer": {"batcher", "fsdp_utils", "grpo", "logprobs", "moe", "tracking"},
+    "trainer": {"batcher", "config", "fsdp_utils", "grpo", "logprobs", "moe", "tracking"},
     # on-policy distillation: the teacher, its pass, per-token advantages
     "distill": {"batcher", "fsdp_utils", "logprobs", "tracking", "config"},
     "envs": {"plugins", "sandbox"},

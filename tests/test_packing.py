@@ -34,10 +34,10 @@ def world_of_one(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def model_for(arch):
+def model_for(arch, **kwargs):
     base = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch=arch)
     attn = fsdp_utils.register_attention("sdpa")
-    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(base.config, attn_implementation=attn, **kwargs)
     model.load_state_dict(base.state_dict())
     with torch.no_grad():  # non-trivial norms, so that a wrong position or mask would show
         for name, p in model.named_parameters():
