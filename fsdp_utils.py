@@ -138,7 +138,7 @@ class ModelConfig:
                  f"experts. Fix: {name}=false")
         if not cfg.data.image_key:  # (with images the whole model trains: data's check)
             self._check_language_model()
-        hybrid.check(text, self.sp_size, cfg.rollout.dtype)
+        hybrid.check(text, self.sp_size, cfg.rollout.dtype, cfg.grpo.shared_prefix)
         need(not self.lora.rank or kind in FAMILIES, f"model.lora.rank={self.lora.rank} on a "
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
@@ -288,6 +288,23 @@ def shared_sdpa(module, query, key, value, segments: dict, scaling=None, dropout
 
 
 packed_sdpa.shares_prefix = True  # rows whose groups hold their prompt once (trainer.shared_prefix)
+
+
+def unshared(model) -> str | None:
+    """Why `model` cannot take rows whose groups hold their prompt once (logprobs.shared_row),
+    one phrase, or None: linear-attention layers (a response would start from a recurrent state
+    its prompt never wrote), or an attention function without `shares_prefix` (packed_sdpa's
+    is True)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if hybrid.has_linear_attention(model.config):
+        return ("does not carry a prompt's recurrent state into its responses (the model's "
+                "linear-attention layers)")
+    config = getattr(model.config, "text_config", None) or model.config
+    attn = getattr(config, "_attn_implementation", None) or ""
+    if not getattr(ALL_ATTENTION_FUNCTIONS.get(attn), "shares_prefix", False):
+        return f"needs an attention that takes shared rows, which {attn} does not"
+    return None
 
 
 def register_attention(attn: str, split=None) -> str:

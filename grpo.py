@@ -190,14 +190,8 @@ class GRPOConfig:
              f"grpo.overlong=penalty needs 0 < grpo.overlong_buffer <= rollout.max_new_tokens "
              f"({max_new_tokens}); got {self.overlong_buffer}")
         validate(self)
-        self.check_model(cfg, None)
-
-    def check_model(self, cfg, text: dict | None) -> None:
-        """grpo.shared_prefix=on where the update cannot hold each prompt once (sharing_blocker:
-        the config, and the model's config.json where `text` has it): BadInput."""
-        if self.shared_prefix == "on" and (why := sharing_blocker(cfg, text)):
-            raise BadInput(f"config: grpo.shared_prefix=on {why}. Fix: grpo.shared_prefix=auto "
-                           "(off where it cannot run), or off")
+        if self.shared_prefix == "on" and (why := sharing_blocker(cfg)):
+            refuse_sharing(why)
         if self.policy_loss in DPPO and self.dppo_anchor == "rollout" and (
                 self.is_correction != "none"):
             log.warning("grpo.policy_loss=%s anchored to the rollout: its ratio to the engine's "
@@ -206,19 +200,24 @@ class GRPOConfig:
                         self.policy_loss, self.is_correction)
 
 
-def sharing_blocker(cfg, text: dict | None = None) -> str | None:
+def sharing_blocker(cfg) -> str | None:
     """Why the run's update cannot hold each group's prompt once (grpo.shared_prefix), from its
-    config tree and, where given, the model's config.json (`text`): one phrase, or None."""
+    config tree: one phrase, or None. The model's own reasons: fsdp_utils.unshared, and before
+    it loads hybrid.check."""
     if not cfg.grpo.pack:
         return "needs packed rows (grpo.pack=true)"
     if cfg.model.sp_size > 1:
         return "does not split a row over ranks (model.sp_size > 1)"
     if cfg.model.routing_replay:
         return "does not lay out the engine's routing (model.routing_replay)"
-    if text is not None and "linear_attention" in (text.get("layer_types") or ()):
-        return ("does not carry a prompt's recurrent state into its responses (the model's "
-                "linear-attention layers)")
     return None
+
+
+def refuse_sharing(why: str) -> None:
+    """grpo.shared_prefix=on where the update cannot hold each prompt once (`why`: one phrase,
+    sharing_blocker's or fsdp_utils.unshared's), in one line: BadInput."""
+    raise BadInput(f"config: grpo.shared_prefix=on {why}. Fix: grpo.shared_prefix=auto (off "
+                   "where it cannot run), or off")
 
 
 def validate(cfg: GRPOConfig) -> None:

@@ -128,22 +128,6 @@ def row_tokens(samples: list, shared: bool) -> int:
     return responses + sum(len(s.prompt_ids) for s in samples)
 
 
-def unshared(model) -> str | None:
-    """Why `model` cannot take rows whose groups hold their prompt once (shared_row), one
-    phrase, or None: linear-attention layers (a response would start from a recurrent state
-    its prompt never wrote), or an attention function without `shares_prefix`."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    config = getattr(model.config, "text_config", None) or model.config
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        return ("does not carry a prompt's recurrent state into its responses (the model's "
-                "linear-attention layers)")
-    attn = getattr(config, "_attn_implementation", None) or ""
-    if not getattr(ALL_ATTENTION_FUNCTIONS.get(attn), "shares_prefix", False):
-        return f"needs an attention that takes shared rows, which {attn} does not"
-    return None
-
-
 def shared_groups(samples: list) -> list[list[int]]:
     """The samples' indices by prompt (the same prompt_ids and the same images), in first-seen
     order: a GRPO group's samples, or those of it in this list."""
@@ -268,7 +252,7 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None, split=Non
     seq = torch.repeat_interleave(torch.arange(len(samples)), resp)  # (K,)
     col = torch.arange(int(resp.sum())) - torch.repeat_interleave(resp.cumsum(0) - resp, resp)
     if shared:
-        inputs, rows, source = shared_row(samples)
+        inputs, rows = shared_row(samples, config)
     elif packed:
         starts = lens.cumsum(0) - lens  # (n,) each sample's first row
         ids = torch.tensor([t for x in seqs for t in x])[None]  # (1, R)
@@ -285,10 +269,7 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None, split=Non
         for i, x in enumerate(seqs):
             ids[i, :len(x)] = torch.tensor(x)
         inputs = {"input_ids": ids}
-    if vision.is_vision_language(config) and shared:  # multimodal positions, the images
-        inputs.update(vision.row_inputs(samples, inputs["position_ids"][0], source,
-                                        [samples[g[0]] for g in shared_groups(samples)]))
-    elif vision.is_vision_language(config):
+    if vision.is_vision_language(config) and not shared:  # multimodal positions, the images
         inputs.update(vision.row_inputs(samples, positions) if packed
                       else vision.batch_inputs(samples, ids.shape[1]))
     if not shared:  # position p - 1 + j of sample i predicts its response token j (p: its
@@ -309,21 +290,22 @@ def micro_batch(samples: list, pad_id: int, packed: bool, config=None, split=Non
     return mb if split is None else split_row(mb, split, pad_id)
 
 
-def shared_row(samples: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def shared_row(samples: list, config=None) -> tuple[dict, torch.Tensor]:
     """A packed row in which each group of samples sharing a prompt (shared_groups) holds the
     prompt once, then the group's responses, each response's positions continuing from the
     prompt's length: the model's input ids and position ids, its attention's `shared_segments`
     (each prompt a segment, each response one whose keys are its prompt's and its own:
-    segment_layout); each response token's row (K,) in sample order; and where each of the
-    row's positions sits in the samples laid end to end (the repeated layout; for a
-    vision-language model's positions and images: vision.row_inputs). The first token of a
-    response is predicted at its prompt's last row, which every response of the group shares;
-    each later one at the token before it."""
+    segment_layout), and for a vision-language model (config) each position's multimodal ones
+    and each group's images once (vision.row_inputs, given where each of the row's positions
+    sits in the samples laid end to end); and each response token's row (K,) in sample order.
+    The first token of a response is predicted at its prompt's last row, which every response
+    of the group shares; each later one at the token before it."""
     # where each sample starts in the repeated layout
     begins = [0] + torch.tensor([len(s.prompt_ids) + len(s.response_ids)
                                  for s in samples]).cumsum(0).tolist()
     ids, pos, source, segments, first, start = [], [], [], [], {}, {}
-    for group in shared_groups(samples):
+    groups = shared_groups(samples)
+    for group in groups:
         prompt, base = samples[group[0]].prompt_ids, len(ids)
         ids += prompt
         pos += range(len(prompt))
@@ -338,8 +320,12 @@ def shared_row(samples: list) -> tuple[dict, torch.Tensor, torch.Tensor]:
             source += range(begins[i + 1] - len(response), begins[i + 1])
     rows = torch.tensor([first[i] if j == 0 else start[i] + j - 1
                          for i, s in enumerate(samples) for j in range(len(s.response_ids))])
-    return ({"input_ids": torch.tensor(ids)[None], "position_ids": torch.tensor(pos)[None],
-             "shared_segments": segment_layout(segments)}, rows, torch.tensor(source))
+    inputs = {"input_ids": torch.tensor(ids)[None], "position_ids": torch.tensor(pos)[None],
+              "shared_segments": segment_layout(segments)}
+    if vision.is_vision_language(config):
+        inputs.update(vision.row_inputs(samples, inputs["position_ids"][0], torch.tensor(source),
+                                        [samples[g[0]] for g in groups]))
+    return inputs, rows
 
 
 def segment_layout(segments: list) -> dict:

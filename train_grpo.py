@@ -400,8 +400,7 @@ def configure(run: Run, cfg: Config) -> None:
         _assign(run.cfg, old)
         raise
     run.applied = copy.deepcopy(cfg)
-    if dataclasses.replace(old.optim, grad_clip=0, max_nonfinite=0) != dataclasses.replace(
-            cfg.optim, grad_clip=0, max_nonfinite=0):  # lr, betas, weight decay: in its groups
+    if old.optim != cfg.optim:  # lr, betas, weight decay: into its param groups
         fsdp_utils.configure_optimizer(run.opt, run.sched, run.applied.optim)
     _assign(run.cfg, run.applied)
     update_parts(run)

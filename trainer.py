@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 import batcher
-import config
 import fsdp_utils
 import grpo
 import logprobs
@@ -54,12 +53,11 @@ def settings(g: grpo.GRPOConfig, temperature: float = 1.0, top_p: float = 1.0,
 
 def shared_prefix(actor, cfg) -> str:
     """grpo.shared_prefix as the built actor can run it: "off" where it cannot (the config:
-    grpo.sharing_blocker; the model: logprobs.unshared), said once for auto and refused in one
+    grpo.sharing_blocker; the model: fsdp_utils.unshared), said once for auto and refused in one
     line for on; else as set."""
-    why = grpo.sharing_blocker(cfg) or logprobs.unshared(actor)
+    why = grpo.sharing_blocker(cfg) or fsdp_utils.unshared(actor)
     if why and cfg.grpo.shared_prefix == "on":
-        raise config.BadInput(f"config: grpo.shared_prefix=on {why}. Fix: grpo.shared_prefix="
-                              "auto (off where it cannot run), or off")
+        grpo.refuse_sharing(why)
     if why and cfg.grpo.shared_prefix == "auto":
         log.info("grpo.shared_prefix=auto: off, as it %s", why)
     return "off" if why else cfg.grpo.shared_prefix

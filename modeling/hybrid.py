@@ -48,7 +48,7 @@ def has_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def check(text: dict, sp_size: int, engine_dtype: str) -> None:
+def check(text: dict, sp_size: int, engine_dtype: str, shared_prefix: str = "off") -> None:
     """What a hybrid model (`text`: its config.json's language part) cannot do yet, or not in
     this engine dtype here, refused in one line before anything loads
     (fsdp_utils.ModelConfig.check_model calls it)."""
@@ -60,6 +60,9 @@ def check(text: dict, sp_size: int, engine_dtype: str) -> None:
     need(sp_size == 1, f"model.sp_size={sp_size} on a hybrid model ({kind}): Ulysses splits "
          "full attention by heads, not yet the Gated DeltaNet layers' convolution and "
          "recurrence. Fix: model.sp_size=1")
+    need(shared_prefix != "on", f"config: grpo.shared_prefix=on on a hybrid model ({kind}) does "
+         "not carry a prompt's recurrent state into its responses (its linear-attention "
+         "layers). Fix: grpo.shared_prefix=auto (off there), or off")
     try:
         npu_ops.check_hybrid_engine(engine_dtype)
     except ValueError as e:

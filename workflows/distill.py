@@ -174,8 +174,8 @@ def teach(batch: batcher.Batch, teacher, cfg: DistillConfig,
     sampled from). Every rank calls it (FSDP collectives)."""
     t, samples = time.perf_counter(), batch.samples
     k = cfg.top_k if cfg.loss == "forward_top_k" else 0
-    shared = "off" if logprobs.unshared(teacher) else passes.shared_prefix  # as the actor, where
-    #   the teacher's layers can (a teacher of another architecture may not)
+    # the actor's shared prefix where the teacher takes it (another architecture may not)
+    shared = "off" if fsdp_utils.unshared(teacher) else passes.shared_prefix
     with torch.profiler.record_function("step:teacher"), fsdp_utils.reference(teacher):
         teacher_logp, top_logp, top_ids = logprobs.sample_top_k(
             teacher, samples, dataclasses.replace(passes, top_p=1.0, shared_prefix=shared), k,
