@@ -372,7 +372,8 @@ def split_row(mb: MicroBatch, split, pad_id: int) -> MicroBatch:
         cu = torch.cat([cu, cu.new_tensor([ids.shape[1]])])
     n, longest = ids.shape[1] // size, max(inputs["max_length_q"], pad)
     row = {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-           "max_length_q": longest, "max_length_k": longest, "packed_ends": tuple(cu[1:].tolist())}
+           "max_length_q": longest, "max_length_k": longest, "packed_ends": tuple(cu[1:].tolist()),
+           "group": split.group}  # for a hybrid's Gated DeltaNet layers (hybrid.conv)
     mine = slice(rank * n, (rank + 1) * n)
     local = {"input_ids": ids[:, mine], "position_ids": positions[:, mine], "row": row}
     if "attention_mask" in inputs:

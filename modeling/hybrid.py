@@ -19,7 +19,9 @@ batch, run the function they replace on it, and gather the outputs back, as
 fsdp_utils.packed_sdpa does for attention. Both are causal, so the right padding changes no
 real position, and each sample starts from a zero state and zero convolution inputs. Their
 cost is the padding's. Elsewhere (a padded batch, the engine's own model) they are the
-functions they replace, unchanged.
+functions they replace, unchanged. Under Ulysses (model.sp_size > 1) each rank holds part of a
+row's tokens: `conv` and `chunk_rule` then exchange them (seq_parallel's all-to-alls) so that
+each rank runs the whole row for its share of the channels or heads.
 """
 
 import functools
@@ -27,9 +29,11 @@ import importlib
 import importlib.util
 
 import torch
+import torch.distributed as dist
 
 import npu_ops
 from config import BadInput, need
+from modeling import seq_parallel
 
 # the oldest transformers whose Gated DeltaNet layer calls these module-level functions with the
 # row's boundaries; 5.5.4 (the Ascend stack's) binds its own per layer and passes none (_attach)
@@ -57,9 +61,14 @@ def check(text: dict, sp_size: int, engine_dtype: str, shared_prefix: str = "off
     kind = text.get("model_type")
     problem = unsupported(kind)
     need(problem is None, f"model.path: {problem}")
-    need(sp_size == 1, f"model.sp_size={sp_size} on a hybrid model ({kind}): Ulysses splits "
-         "full attention by heads, not yet the Gated DeltaNet layers' convolution and "
-         "recurrence. Fix: model.sp_size=1")
+    heads = text.get("linear_num_value_heads") or 0
+    channels = 2 * (text.get("linear_num_key_heads") or 0) * (
+        text.get("linear_key_head_dim") or 0) + heads * (text.get("linear_value_head_dim") or 0)
+    need(sp_size == 1 or heads % sp_size == channels % sp_size == 0,
+         f"model.sp_size={sp_size} on a hybrid model ({kind}) whose Gated DeltaNet layers "
+         f"have {heads} value heads: Ulysses gives each rank whole heads of their recurrence "
+         f"(and 1/sp of its convolution's {channels} channels). Fix: an sp_size that divides "
+         "both")
     need(shared_prefix != "on", f"config: grpo.shared_prefix=on on a hybrid model ({kind}) does "
          "not carry a prompt's recurrent state into its responses (its linear-attention "
          "layers). Fix: grpo.shared_prefix=auto (off there), or off")
@@ -140,7 +149,7 @@ def _attach(model) -> None:
             raise ValueError(f"{type(gdn).__name__} holds no causal_conv1d_fn and "
                              "chunk_gated_delta_rule of its own, which hybrid.py replaces on "
                              f"transformers < {TRANSFORMERS}. Fix: transformers >= {TRANSFORMERS}")
-        gdn._packed_rows = (None, None)
+        gdn._packed_rows = (None, None, None)
         block.register_forward_pre_hook(_hand_rows, with_kwargs=True)
         gdn.causal_conv1d_fn = functools.partial(_layer_conv, gdn,
                                                   gdn.causal_conv1d_fn or _torch_conv)
@@ -154,7 +163,8 @@ def _attach(model) -> None:
 
 def _hand_rows(block, args, kwargs) -> None:
     """A decoder layer's forward pre-hook: its Gated DeltaNet layer's boundaries for this call."""
-    block.linear_attn._packed_rows = (kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
+    block.linear_attn._packed_rows = (kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"),
+                                      kwargs.get("row"))
 
 
 def _torch_conv(x, weight, bias=None, activation=None, **_):
@@ -166,18 +176,19 @@ def _torch_conv(x, weight, bias=None, activation=None, **_):
 
 
 def _layer_conv(gdn, original, x, weight, bias=None, activation=None, **kwargs):
-    cu, longest = gdn._packed_rows
-    if cu is None:
+    cu, longest, row = gdn._packed_rows
+    if cu is None and row is None:
         return original(x, weight, bias, activation=activation, **kwargs)
-    return conv(original, x, weight, bias, activation, cu_seq_lens_q=cu, max_length_q=longest)
+    return conv(original, x, weight, bias, activation, cu_seq_lens_q=cu, max_length_q=longest,
+                row=row)
 
 
 def _layer_rule(gdn, original, query, key, value, g, beta, **kwargs):
-    cu, longest = gdn._packed_rows
-    if cu is None:
+    cu, longest, row = gdn._packed_rows
+    if cu is None and row is None:
         return original(query, key, value, g=g, beta=beta, **kwargs)
     return chunk_rule(original, query, key, value, g, beta, cu_seqlens=cu, max_length_q=longest,
-                      **kwargs)
+                      row=row, **kwargs)
 
 
 def _with_original(ours, original):
@@ -211,7 +222,20 @@ def _spread(x, where):
 
 def conv(original, hidden_states, weight, bias=None, activation=None, **kwargs):
     """transformers' causal_conv1d_fn ((B, C, T) in and out), each sample of a packed row on its
-    own."""
+    own. Under Ulysses (kwargs' `row`: logprobs.split_row) `hidden_states` holds this rank's
+    tokens of the row; the convolution is depthwise, so each rank runs it over every token of
+    the row for 1/sp of the channels (its slice of the weight), one all-to-all there and one
+    back (seq_parallel's, as attention's heads)."""
+    if kwargs.get("row") is not None:
+        row, group = kwargs["row"], kwargs["row"]["group"]
+        part = hidden_states.shape[1] // dist.get_world_size(group)
+        mine = slice(dist.get_rank(group) * part, (dist.get_rank(group) + 1) * part)
+        whole = seq_parallel.heads_to_sequence(hidden_states[..., None], group)[..., 0]
+        out = conv(original, whole, weight[mine], None if bias is None else bias[mine],
+                   activation, cu_seq_lens_q=row["cu_seq_lens_q"],
+                   max_length_q=row["max_length_q"])  # (1, C / sp, N)
+        back = seq_parallel.sequence_to_heads(out.transpose(1, 2)[..., None], group)
+        return back[..., 0].transpose(1, 2)  # (1, C, n)
     where = rows(kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"),
                  hidden_states.shape[-1])
     if where is None:
@@ -225,7 +249,23 @@ def conv(original, hidden_states, weight, bias=None, activation=None, **kwargs):
 def chunk_rule(original, query, key, value, g, beta, cu_seqlens=None, **kwargs):
     """transformers' torch_chunk_gated_delta_rule ((B, T, heads, dim) in and out, g and beta
     (B, T, heads)), each sample of a packed row from a zero state. A packed row is a training
-    forward: no state comes in or goes out (the final state is None)."""
+    forward: no state comes in or goes out (the final state is None). Under Ulysses (kwargs'
+    `row`) the inputs are this rank's tokens, every head; the heads' recurrences are
+    independent, so each rank runs 1/sp of the heads over the whole row, between the two
+    all-to-alls attention uses."""
+    if kwargs.get("row") is not None:
+        row = kwargs.pop("row")
+        group = row["group"]
+
+        def whole(x):  # (1, n, H, ...) this rank's tokens -> (1, N, H / sp, ...) the row's
+            y = x if x.dim() == 4 else x[..., None]
+            y = seq_parallel.heads_to_sequence(y.transpose(1, 2), group).transpose(1, 2)
+            return y if x.dim() == 4 else y[..., 0]
+
+        out, _ = chunk_rule(original, *(whole(x) for x in (query, key, value, g, beta)),
+                            cu_seqlens=row["cu_seq_lens_q"], **{
+                                **kwargs, "max_length_q": row["max_length_q"]})
+        return seq_parallel.sequence_to_heads(out, group), None
     where = rows(cu_seqlens, kwargs.get("max_length_q"), query.shape[1])
     if where is None:
         return original(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)

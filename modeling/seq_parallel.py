@@ -90,13 +90,15 @@ def attention(inner, group):
     boundaries in position_ids / cu_seq_lens_q / max_length_q) run on every token of the row for
     H / sp heads, where each rank of `group` holds n = N / sp of the row's tokens in rank order.
     The boundaries passed to it must be the whole row's (`row` keyword: position_ids,
-    cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k of the whole row), given by the
-    caller; the query, key and value it gets are this rank's tokens."""
+    cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k of the whole row, and the group,
+    which a hybrid's Gated DeltaNet layers read: hybrid.conv), given by the caller; the query,
+    key and value it gets are this rank's tokens."""
 
     def forward(module, query, key, value, attention_mask, row=None, **kwargs):
         key, value = replicated_kv(key, value, query.shape[1], dist.get_world_size(group))
         q, k, v = (heads_to_sequence(x, group) for x in (query, key, value))
-        out, _ = inner(module, q, k, v, attention_mask, **{**kwargs, **(row or {})})
+        whole = {k: x for k, x in (row or {}).items() if k != "group"}
+        out, _ = inner(module, q, k, v, attention_mask, **{**kwargs, **whole})
         return sequence_to_heads(out, group), None
 
     # the whole row reaches `inner`: its limit on a row's samples is this function's too

@@ -16,6 +16,7 @@ backward in batches of another shape: fp32 rounding, a few hundred terms of 2^-2
 moves the logprobs by 1e-2 and more."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -126,9 +127,9 @@ def test_an_unknown_hybrid_is_refused():
 
 
 def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
-    """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism,
-    an engine dtype other than bf16 on CPU, and (where there is no torchvision) the
-    engine's import."""
+    """config.check_model on a tiny hybrid's config.json, one line each: sequence parallelism
+    over Gated DeltaNet heads that do not split, an engine dtype other than bf16 on CPU, and
+    (where there is no torchvision) the engine's import."""
     import importlib.util
 
     import config
@@ -144,7 +145,14 @@ def test_what_a_hybrid_cannot_do_yet_is_refused_before_it_loads(tmp_path):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    assert "model.sp_size=1" in refused("--model.sp_size=2", "--rollout.dtype=bfloat16")
+    if importlib.util.find_spec("torchvision") is not None:  # Ulysses splits its 4 value heads
+        config.check_model(resolve(load_config(None, [
+            f"--model.path={path}", "--model.sp_size=2", "--rollout.dtype=bfloat16",
+            "--rollout.max_model_len=64"])))
+    text = json.loads((path / "config.json").read_text())  # 6 do not split over 4 ranks
+    (path / "config.json").write_text(json.dumps({**text, "linear_num_value_heads": 6}))
+    assert "6 value heads" in refused("--model.sp_size=4", "--rollout.dtype=bfloat16")
+    (path / "config.json").write_text(json.dumps(text))
     assert "rollout.dtype=bfloat16" in refused("--rollout.dtype=float32")
     if importlib.util.find_spec("torchvision") is None:
         assert "torchvision" in refused("--rollout.dtype=bfloat16")

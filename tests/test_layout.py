@@ -27,7 +27,7 @@ ALLOWED = {
     "tracking": {"config"},
     "offload": {"npu_ops", "checkpoint"},  # device memory handed to host memory and back
     "kernels": {"npu_ops"},  # plain-torch references of the fused kernels, the model patch
-    "hybrid": {"config", "npu_ops"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
+    "hybrid": {"config", "npu_ops", "seq_parallel"},  # Gated DeltaNet layers on packed rows (Qwen3.5)
     "fsdp_utils": {"npu_ops", "offload", "config", "kernels", "moe", "seq_parallel", "hybrid",
                    "vision", "checkpoint"},
     "checkpoint": {"npu_ops"},

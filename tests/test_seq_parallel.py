@@ -36,6 +36,15 @@ def test_sp_2_updates_as_sp_1(tiny_models, tmp_path, kv_heads):
     assert out.count("sp 2 equals sp 1") == 8
 
 
+def test_sp_2_updates_as_sp_1_on_a_hybrid(tiny_hybrid):
+    """The tiny Qwen3.5: two Gated DeltaNet layers (4 value heads, 1,024 convolution channels)
+    between its full-attention ones; the worker's docstring gives the bound of the gradients
+    transformers computes in fp32."""
+    out = launch(["tests/workers/sp_parity.py", tiny_hybrid])
+    assert out.count("SP_PARITY_OK") == 2, out[-3000:]
+    assert out.count("sp 2 equals sp 1") == 8
+
+
 def test_the_option_is_refused_where_it_cannot_work(tiny_task_dir, tiny_models, tmp_path):
     """One line each, before any model loads: a world it does not divide, padded batches, an
     attention it cannot wrap, and heads that do not split (read from config.json)."""
