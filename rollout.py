@@ -448,9 +448,18 @@ class Engine:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
         _check_version()
         scaling = self.lora.alpha / self.lora.rank
-        if self.adapter is None or not all(self.llm.collective_rpc(
-                _write_adapter, args=(layers, self.adapter.lora_int_id, scaling))):
+        if self.adapter is None:
             return False
+        written = self.llm.collective_rpc(_write_adapter,
+                                          args=(layers, self.adapter.lora_int_id, scaling))
+        if any(left is None for left in written):
+            return False
+        left = sorted(set().union(*written))
+        if left:  # they would be zeroed or never written: the engine would sample the base there
+            raise RuntimeError(f"rollout.Engine.load_adapter: the engine has no LoRA layer for "
+                               f"{len(left)} of the actor's {len(layers)} adapted layers (first "
+                               f"{left[0]!r}): it would sample from its base there. Fix: "
+                               "model.lora.target_modules without them")
         self.llm.reset_prefix_cache()
         return True
 
@@ -711,18 +720,22 @@ def _checked(ids, logp) -> tuple[list[int], list[float]]:
     return ids, logp
 
 
-def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> bool:
+def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> list | None:
     """On this rank's worker: `layers` into the slot of adapter `lora_id` of every LoRA layer
-    of the engine (a layer with no adapter tensors is zeroed); False if the adapter holds no
-    slot (never activated, or let go). set_lora shards for tensor parallelism and packs q/k/v and
-    gate/up itself (vLLM 0.23 to 0.32 lora/layers, lora/model_manager.py)."""
+    of the engine (a layer with no adapter tensors is zeroed). Returns the names of `layers`
+    that no LoRA layer of the engine took (none, unless the engine's names or LoRA layers
+    differ from the actor's); None if the adapter holds no slot (never activated, or let go).
+    set_lora shards for tensor parallelism and packs q/k/v and gate/up itself (vLLM 0.23 to 0.32
+    lora/layers, lora/model_manager.py)."""
     manager = worker.model_runner.lora_manager._adapter_manager
     if lora_id not in manager.lora_index_to_id:
-        return False
+        return None
     slot = manager.lora_index_to_id.index(lora_id)
+    taken = set()
     for name, module in manager.modules.items():  # model.layers.0.self_attn.qkv_proj, ...
         parts = manager.packed_modules.get(name)  # its q_proj, k_proj, v_proj; else None
         pairs = [layers.get(part, (None, None)) for part in parts or [name]]
+        taken.update(parts or [name])
         a = [x for x, _ in pairs]
         b = [None if y is None else y * scaling for _, y in pairs]
         if parts:
@@ -731,7 +744,7 @@ def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> bool:
             module.reset_lora(slot)
         else:
             module.set_lora(slot, a[0], b[0])
-    return True
+    return sorted(set(layers) - taken)
 
 
 def _abort_unfinished(llm) -> None:

@@ -68,3 +68,48 @@ def test_resume_from_an_adapter_checkpoint_matches_the_uninterrupted_run(tiny_ta
         wa, wb = (load_file(d / "final" / name) for d in (a, b))
         assert wa.keys() == wb.keys()
         assert all(torch.allclose(wa[n], wb[n], atol=1e-6, rtol=0) for n in wa), name
+
+
+def test_an_adapted_layer_the_engine_lacks_stops_the_push():
+    """rollout.Engine.load_adapter's in-place write on a recording stand-in for vLLM's LoRA
+    manager (one packed q/k/v layer, one down_proj): each tensor reaches its layer, scaled, the
+    packed layer's slices in order with None where unadapted; a name no layer of the engine
+    takes (the checkpoint's prefix where the engine has another) stops the push with one line
+    instead of zeroing that layer's slot and sampling from the base."""
+    from types import SimpleNamespace
+
+    import rollout
+
+    class Layer:
+        def __init__(self):
+            self.calls = []
+
+        def set_lora(self, slot, a, b):
+            self.calls.append(("set", slot, a, b))
+
+        def reset_lora(self, slot):
+            self.calls.append(("reset", slot))
+
+    qkv, down = Layer(), Layer()
+    attn = "model.layers.0.self_attn."
+    manager = SimpleNamespace(
+        lora_index_to_id=[None, 7], modules={attn + "qkv_proj": qkv, "model.layers.0.mlp.down_proj": down},
+        packed_modules={attn + "qkv_proj": [attn + p for p in ("q_proj", "k_proj", "v_proj")]})
+    worker = SimpleNamespace(model_runner=SimpleNamespace(
+        lora_manager=SimpleNamespace(_adapter_manager=manager)))
+    llm = SimpleNamespace(collective_rpc=lambda fn, args: [fn(worker, *args)],
+                          reset_prefix_cache=lambda: None)
+    engine = object.__new__(rollout.Engine)
+    engine.llm, engine.weights_awake = llm, True
+    engine.lora, engine.adapter = SimpleNamespace(rank=4, alpha=8.0), SimpleNamespace(lora_int_id=7)
+    a, b = torch.ones(4, 3), torch.full((5, 4), 3.0)
+    assert engine.load_adapter({attn + "v_proj": (a, b), "model.layers.0.mlp.down_proj": (a, b)})
+    (_, slot, got_a, got_b), = qkv.calls
+    assert slot == 1 and got_a[:2] == [None, None] and got_a[2] is a and got_b[:2] == [None, None]
+    assert torch.equal(got_b[2], 2 * b) and down.calls[0][1] == 1
+    with pytest.raises(RuntimeError, match="no LoRA layer for 1 of the actor's 2 adapted") as e:
+        engine.load_adapter({"model.language_model.layers.0.self_attn.v_proj": (a, b),
+                             "model.layers.0.mlp.down_proj": (a, b)})
+    assert "\n" not in str(e.value)
+    engine.adapter = SimpleNamespace(lora_int_id=3)  # no slot: the files path registers it
+    assert engine.load_adapter({attn + "v_proj": (a, b)}) is False

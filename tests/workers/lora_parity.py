@@ -3,7 +3,8 @@ the engine (LoRA on) samples from the trainer's policy: the engine's logprob of 
 samples equals the FSDP actor's (adapters on) within 1e-4, fp32, the bound of the full-weight
 test (sync_parity.py), over three pushes with real optimizer steps in between. Also: only the
 adapters' bytes are sent; the first push registers the adapter, the later ones write it in
-place (no file); the engine really changes between pushes. Prompts are longer than a KV block:
+place (no file); the engine really changes: from its base model (probed before any push) and
+between pushes. Prompts are longer than a KV block:
 KV cached under the last adapter would show if the prefix cache were not dropped. Targets leave
 k_proj and up_proj out, so the engine's packed q/k/v and gate/up layers each get a slice with no
 adapter.
@@ -63,7 +64,7 @@ checkpoint.save_adapter = lambda *a, **k: registered.append(1) or real_save(*a, 
 
 prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in
            ["1+2=3+4=7+0=7+1=8+" * 2 + "3+4=", "9+0=9+" * 6 + "1+1=", "2+5=" * 10]]
-previous = None
+previous = base = probe_engine()  # before any push: the engine's base model, no adapter
 for round_ in range(3):
     with torch.no_grad():  # the adapters moved: noise on each rank's shard of them, and B off 0
         for name, p in actor.named_parameters():
@@ -98,9 +99,9 @@ for round_ in range(3):
           f"|engine - trainer| logprob mean {mean:.2e} max {worst:.2e} over {gaps.numel()} "
           "sampled tokens", flush=True)
     assert mean < MEAN_BOUND and worst < MAX_BOUND, (mean, worst)
-    probe = probe_engine()
-    if previous is not None:
-        assert (probe - previous).abs().max() > 1e-3, "the engine did not change after the push"
+    probe = probe_engine()  # the adapter moved the engine: from the base, and since the last push
+    assert (probe - base).abs().max() > 1e-3, "the engine samples from its base after the push"
+    assert (probe - previous).abs().max() > 1e-3, "the engine did not change after the push"
     previous = probe
 assert len(registered) == 1, registered  # the first push only: then in place
 
