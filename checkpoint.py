@@ -62,7 +62,8 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
             model.generation_config = GenerationConfig.from_pretrained(source)
         if lora is not None and lora.rank:
             sd, layers = merged(sd, lora.alpha / lora.rank)
-            save_adapter(os.path.join(tmp, "adapter"), layers, lora, source)
+            save_adapter(os.path.join(tmp, "adapter"),  # named as the base checkpoint names them
+                         {stored_name(model, k): v for k, v in layers.items()}, lora, source)
         if getattr(model, "checkpoint_path", None):  # a vision-language checkpoint
             save_beside_source(model, sd, model.checkpoint_path, tmp)
         else:

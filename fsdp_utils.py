@@ -143,14 +143,39 @@ class ModelConfig:
              f"{kind!r} model: adapters go on the linear layers fsdp_utils.LORA_MODULES names, "
              f"in the families of fsdp_utils.FAMILIES ({', '.join(FAMILIES)}). Fix: add the "
              "family's row (and its layers' names), or model.lora.rank=0")
+        if self.lora.rank:
+            self._check_targets(text)
+
+    def _check_targets(self, text: dict) -> None:
+        """Adapter targets the model has and the push can deliver (`text`: config.json's
+        language part): Gated DeltaNet projections on a hybrid only (elsewhere they would match
+        nothing); on a mixture of experts, no MLP names (peft would put them on the fused
+        experts, whose adapters the push does not send to vLLM's fused-MoE LoRA layers), and
+        not on CPU (npu_ops.check_moe_lora)."""
+        targets, kind = self.lora.target_modules, text.get("model_type")
+        linear = sorted(set(targets) & set(LORA_MODULES_LINEAR))
+        need(not linear or "linear_attention" in (text.get("layer_types") or ()),
+             f"model.lora.target_modules has {', '.join(linear)}, which a {kind!r} model has "
+             "not (a hybrid's Gated DeltaNet projections): they would match nothing. Fix: "
+             "leave them out")
+        if moe.is_moe(text):
+            mlp = sorted(set(targets) & {"gate_proj", "up_proj", "down_proj"})
+            need(not mlp, f"model.lora.target_modules has {', '.join(mlp)} on a mixture of "
+                 f"experts ({kind}): peft puts them on the fused experts, whose adapters the "
+                 "push does not send to the engine's fused-MoE LoRA layers. Fix: the attention "
+                 "projections only, e.g. [q_proj, k_proj, v_proj, o_proj]")
+            try:
+                npu_ops.check_moe_lora()
+            except ValueError as e:
+                raise BadInput(f"config: {e}") from None
 
     def _check_language_model(self) -> None:
         """A vision-language checkpoint (config.json with a vision_config: every Qwen3.5 release
         is one) trains its language model: transformers builds it alone from the checkpoint
         (AutoModelForCausalLM), the push names its weights as the checkpoint does
-        (checkpoint.language_prefix) and the export puts them back beside the vision tower. Refused in
-        one line where transformers has no language model alone for the family, and with
-        adapters (their push under the checkpoint's names is not written yet)."""
+        (checkpoint.language_prefix), adapters too, and the export puts them back beside the
+        vision tower. Refused in one line where transformers has no language model alone for
+        the family."""
         import json
 
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -163,9 +188,6 @@ class ModelConfig:
         need(kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, f"model.path: {self.path} is a "
              f"vision-language checkpoint ({kind}) whose language model transformers does not "
              "build alone (AutoModelForCausalLM). Fix: a checkpoint of the language model alone")
-        need(not self.lora.rank, f"model.lora.rank={self.lora.rank} on a vision-language "
-             f"checkpoint ({kind}): adapters are pushed under the language model's own names, "
-             "not yet under the checkpoint's. Fix: model.lora.rank=0")
 
     def check_host_memory(self, cfg, world_size: int) -> None:
         """BadInput if this node's ranks cannot hold in host memory the actor and its Adam state

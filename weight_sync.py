@@ -120,14 +120,17 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
 
 
 def full_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> dict:
-    """{HF name of an adapted layer: (lora_A, lora_B)}, whole tensors in `dtype`, gathered from
-    their FSDP2 shards in one all-gather (every rank must call)."""
+    """{HF name of an adapted layer, as the model's checkpoint stores it (checkpoint.stored_name:
+    a vision-language checkpoint's language model under its prefix): (lora_A, lora_B)}, whole
+    tensors in `dtype`, gathered from their FSDP2 shards in one all-gather (every rank must
+    call)."""
     layers = fsdp_utils.adapters(model)
     weights = [part[layer.active_adapters[0]].weight.detach()
                for _, layer in layers for part in (layer.lora_A, layer.lora_B)]
     whole = gather_rows(weights, dtype)
     stats["bytes"] += sum(t.numel() * t.element_size() for t in whole)
-    return {name: (whole[2 * i], whole[2 * i + 1]) for i, (name, _) in enumerate(layers)}
+    return {checkpoint.stored_name(model, name): (whole[2 * i], whole[2 * i + 1])
+            for i, (name, _) in enumerate(layers)}
 
 
 @torch.no_grad()

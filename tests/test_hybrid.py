@@ -168,8 +168,7 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
     The actor is its language model (the same logits on text as the whole model's); the push
     names every tensor as the checkpoint does and sends the vision tower from its files; the
     export, changed weights and all, loads as the vision-language model with the actor's logits
-    and the tower as it was; the host-memory check counts what the actor holds. Adapters on it
-    are refused before load."""
+    and the tower as it was; the host-memory check counts what the actor holds."""
     import importlib.util
 
     from safetensors import safe_open
@@ -185,7 +184,6 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
             "--rollout.max_model_len=64"]
     if importlib.util.find_spec("torchvision") is not None:  # else refused for that alone
         config.check_model(resolve(load_config(None, args)))
-    with pytest.raises(config.BadInput, match="model.lora.rank=0"):
         config.check_model(resolve(load_config(None, [*args, "--model.lora.rank=8"])))
 
     actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=tiny_vl_hybrid,
@@ -215,6 +213,46 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
             with safe_open(file, "pt") as f:
                 assert torch.equal(pushed[name], f.get_tensor(name)), name
                 assert torch.equal(out.state_dict()[name], f.get_tensor(name)), name
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_adapters_on_a_vision_language_checkpoint_go_under_its_names(tiny_vl_hybrid, tmp_path):
+    """LoRA on Qwen3.5 as released, on both kinds of layer (Gated DeltaNet projections too): the
+    push names each adapted layer as the checkpoint does (`model.language_model.`, which the
+    engine's LoRA loader renames as it renames the weights); the export's adapter loads with peft
+    onto the vision-language model, and its merged weights load as that model, both with the
+    actor's logits and not the base's."""
+    from peft import PeftModel
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    import checkpoint
+    import weight_sync
+
+    cfg = fsdp_utils.ModelConfig(path=tiny_vl_hybrid, param_dtype="float32")
+    cfg.lora = fsdp_utils.LoraConfig(rank=4, alpha=8.0, target_modules=[
+        "q_proj", "o_proj", "down_proj", "in_proj_qkv", "in_proj_b", "out_proj"])
+    actor = fsdp_utils.build_actor(cfg, init_device_mesh("cpu", (1,)))
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if ".lora_" in name:
+                p.to_local().add_(0.05 * torch.randn_like(p.to_local()))
+    layers = weight_sync.full_adapters(actor, torch.float32, {"bytes": 0})
+    assert any(".linear_attn.in_proj_qkv" in n for n in layers) and all(
+        n.startswith("model.language_model.layers.") for n in layers), sorted(layers)[:3]
+    checkpoint.save_hf(actor, AutoTokenizer.from_pretrained(tiny_vl_hybrid), str(tmp_path / "x"),
+                       source=tiny_vl_hybrid, lora=cfg.lora)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = actor(input_ids=ids).logits
+        base = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vl_hybrid, dtype=torch.float32)
+        before = base(input_ids=ids).logits
+        merged = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "x",
+                                                                 dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, tmp_path / "x" / "adapter")
+        # merged: W + s B A summed once in fp32 instead of x W + s (x A^T) B^T: a few roundings
+        for got in (merged(input_ids=ids).logits, adapted(input_ids=ids).logits):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    assert (before - want).abs().max() > 1e-3  # (the adapters did change it)
 
 
 def test_the_27b_configs_arithmetic(tmp_path, monkeypatch):

