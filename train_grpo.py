@@ -674,6 +674,30 @@ def stopped(run: Run, signal_name: str, metrics: dict) -> dict:
     return metrics
 
 
+def attempt_prefix(env) -> str | None:
+    """The prefix that keeps this torchrun attempt's keys apart from the last one's in the
+    store the ranks rendezvous in, or None where none is needed. torchrun's agent shares its
+    store with the ranks by default (TORCHELASTIC_USE_AGENT_STORE), and it outlives a restart
+    with the dead attempt's keys, which a group made again (the engine's, by new_group) would
+    read (gloo: connection refused, or a hang). On one node the agent's restart count names
+    the attempt. On more nodes it does not: each agent counts its own restarts (the node
+    whose rank died one more; torch/distributed/elastic/agent/server/api.py), so that case
+    is refused unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each rendezvous round a
+    store of its own, where no prefix is needed."""
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or env.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "False":
+        return None
+    nodes, restarts = int(env.get("GROUP_WORLD_SIZE", "1")), int(
+        env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes > 1 and restarts > 0:
+        raise config.BadInput(
+            f"torchrun --max-restarts={restarts} on {nodes} nodes shares its store across "
+            "restarts, and each node's agent counts its own restarts, so a restarted run "
+            "would wait on keys the other nodes never write. Fix: export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (a store for each round)")
+    return f"attempt_{attempt}"
+
+
 def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
     """Join torchrun's process group, or make a world of one (notebook, plain python); a
     collective waits `timeout_s` for the other ranks (train.dist_timeout_s)."""
@@ -688,12 +712,9 @@ def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         npu_ops.local_device()  # pick this rank's device before the process group binds one
         timeout, store = timedelta(seconds=timeout_s), None
-        if (attempt := os.environ.get("TORCHELASTIC_RESTART_COUNT")) is not None:
-            # torchrun's store outlives a restart with the keys of the attempt before, and a
-            #   group made again (the engine's, by new_group) read the dead ranks' addresses
-            #   from them (gloo: connection refused, or a hang): each attempt's keys apart
+        if (prefix := attempt_prefix(os.environ)) is not None:
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-            store = dist.PrefixStore(f"attempt_{attempt}", store)
+            store = dist.PrefixStore(prefix, store)
         dist.init_process_group(npu_ops.dist_backend(), timeout=timeout, store=store,
                                 **({} if store is None else dict(
                                     rank=int(os.environ["RANK"]),

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import config
 import faults
 import train_grpo
 from conftest import launch, run_python
@@ -71,6 +72,44 @@ def test_a_rank_killed_under_torchrun_restarts_and_finishes_as_if_never_killed(
     assert f"continuing after step {step - 1}" in said, said[-3000:]
     assert [numbers(r) for r in rows(out / "metrics.jsonl")] == uninterrupted, step
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.engine
+def test_a_rank_killed_on_one_of_two_nodes_restarts_both_as_if_never_killed(
+        tiny_task_dir, tmp_path, uninterrupted):
+    """Two single-rank nodes (two torchrun agents, a c10d rendezvous on this machine) with
+    --max-restarts=1 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the rank of one is killed as a
+    random step begins; its agent restarts it, the other agent restarts its rank as a change
+    of membership (each counts its restarts: 1 and 0), both resume from the step before in
+    the new round's store, and the run ends with every step's metrics those of the run never
+    killed. Without that variable the run is refused in one line (train_grpo.attempt_prefix)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, base_env, free_port
+
+    out, step = tmp_path / "run", random.Random().randint(2, 4)
+    port = free_port()
+    env = base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   SIGNALLED_ONCE=str(tmp_path / "signalled"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two",
+           "--max-restarts=1", "tests/workers/signalled.py", "SIGKILL", "1", str(step),
+           *common(tiny_task_dir), "--log.save_every=1", "--train.resume=auto",
+           "--train.dist_timeout_s=120", f"--log.out_dir={out}"]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    said = "".join(node.communicate(timeout=900)[0] for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], said[-3000:]
+    assert f"sending itself SIGKILL in step {step}" in said
+    assert f"continuing after step {step - 1}" in said, said[-3000:]
+    assert [numbers(r) for r in rows(out / "metrics.jsonl")] == uninterrupted, step
+    shared = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "1",
+              "TORCHELASTIC_RESTART_COUNT": "0"}
+    with pytest.raises(config.BadInput, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every"):
+        train_grpo.attempt_prefix({**shared, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert train_grpo.attempt_prefix({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert train_grpo.attempt_prefix({**shared, "GROUP_WORLD_SIZE": "1"}) == "attempt_0"
 
 
 @pytest.mark.engine
