@@ -161,13 +161,13 @@ def files(path: str) -> dict[str, str]:
         return {name: file for name in f.keys()}
 
 
-def tensors_beyond(path: str, held: set, dtype: torch.dtype):
+def tensors_beyond(path: str, held: set, dtype: torch.dtype, skip: tuple = ()):
     """(name, tensor in `dtype`) of each tensor of the checkpoint at `path` not named in
-    `held`, read from its files one at a time."""
+    `held` and not starting with one of `skip`, read from its files one at a time."""
     from safetensors import safe_open
 
     for name, file in files(path).items():
-        if name not in held:
+        if name not in held and not name.startswith(skip):
             with safe_open(file, "pt") as f:
                 yield name, f.get_tensor(name).to(dtype)
 

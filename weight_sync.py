@@ -44,6 +44,10 @@ from modeling import vision
 import npu_ops
 import offload
 
+# a checkpoint's tensors the engine never loads, left out of the push: Qwen3.5's multi-token
+# prediction head (~0.4B parameters at 27B; vLLM 0.23 and 0.32 models/qwen3_5.py skip "mtp.")
+ENGINE_SKIPS = ("mtp.",)
+
 
 def units(model: torch.nn.Module) -> list[tuple[torch.nn.Module | None, list[str]]]:
     """[(FSDP unit, names of the parameters it owns)] in the order the engine takes them best:
@@ -95,7 +99,7 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
                      by_unit: bool = False, frozen_tower: bool = True):
     """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards; for a
     vision-language checkpoint, first the tensors the actor does not hold (its vision tower),
-    from the checkpoint's files: the engine's reload wants every tensor of its model (vLLM 0.23
+    from the checkpoint's files, but for those the engine does not load (ENGINE_SKIPS): the engine's reload wants every tensor of its model (vLLM 0.23
     refuses a push without them; 0.32 warns), and a level-2 sleep dropped them. A whole
     vision-language actor's frozen tower (vision.frozen_tower) is left out unless frozen_tower:
     where the engine keeps what a push leaves out (rollout.Engine.keeps_unsent)."""
@@ -106,7 +110,7 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
         held = {checkpoint.stored_name(model, fsdp_utils.hf_name(n))
                 for n, _ in model.named_parameters()}
         held.add(checkpoint.stored_name(model, names.output))
-        for name, tensor in checkpoint.tensors_beyond(path, held, dtype):
+        for name, tensor in checkpoint.tensors_beyond(path, held, dtype, skip=ENGINE_SKIPS):
             stats["bytes"] += tensor.numel() * tensor.element_size()
             yield name, tensor
     for name, full in full_params(model, dtype, by_unit, skip):

