@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modeling import moe, seq_parallel, vision
+from modeling import hybrid, moe, seq_parallel, vision
 
 # a zero-loss stand-in sample (any object with these fields is a sample here)
 DUMMY = types.SimpleNamespace(prompt_ids=[0], response_ids=[0], logp=[0.0], truncated=False,
@@ -63,16 +63,19 @@ PREPARED_MASKS = ("qwen2", "qwen3")
 
 
 def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False,
-                       max_samples: int = 0) -> list[list[int]]:
+                       max_samples: int = 0, padded_budget: int = 0) -> list[list[int]]:
     """Group indices, longest first, so that each group fits `budget` tokens: packed, its total
-    length (first fit), and at most `max_samples` samples (0: any number); padded, its (count x
-    max length)."""
+    length (first fit), at most `max_samples` samples (0: any number), and its count x its
+    longest at most `padded_budget` (0: no bound; a hybrid's Gated DeltaNet layers pad each
+    sample of a row to its longest: LINEAR_PADDING); padded, its (count x max length)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if packed:
         batches, room = [], []
-        for i in order:
+        for i in order:  # (a row's first sample is its longest)
             fits = next((b for b, r in enumerate(room) if lengths[i] <= r and not (
-                max_samples and len(batches[b]) >= max_samples)), None)
+                max_samples and len(batches[b]) >= max_samples) and not (
+                padded_budget and (len(batches[b]) + 1) * lengths[batches[b][0]]
+                > padded_budget)), None)
             if fits is None:
                 batches.append([])
                 room.append(budget)
@@ -87,6 +90,15 @@ def plan_micro_batches(lengths: list[int], budget: int, packed: bool = False,
             cur = []
         cur.append(i)
     return batches + [cur] if cur else batches
+
+
+# A packed row of a model with Gated DeltaNet layers runs them on its samples padded to its
+# longest (hybrid.conv, hybrid.chunk_rule), which the token budget does not count: one 2k-token
+# sample with twenty short ones back-filled beside it pays 5-6x the row's tokens, in FLOPs and
+# in the activations kept for backward. The plan bounds a row's samples x longest to this many
+# times grpo.micro_batch_tokens, so those layers' memory is at most twice what the budget
+# plans for the row (a row of one sample pays nothing).
+LINEAR_PADDING = 2
 
 
 def packed_sample_cap(config, split=None) -> int:
@@ -190,10 +202,14 @@ def micro_batch_plan(samples: list, budget: int, packed: bool, config=None, spli
     runs as many forwards as the busiest (FSDP all-gathers per forward); an empty entry is a
     zero-loss DUMMY forward. Packed rows hold at most as many samples (segments) as the model's
     attention takes, padding included (packed_sample_cap; split: the seq_parallel.Split the
-    rows are split over, or None)."""
+    rows are split over, or None), and for a model with Gated DeltaNet layers, samples x
+    longest within LINEAR_PADDING x budget."""
     cap = packed_sample_cap(config, split) if packed else 0
+    padded = LINEAR_PADDING * budget if config is not None and hybrid.has_linear_attention(
+        config) else 0
     plan = (plan_shared(samples, budget, cap) if shared else plan_micro_batches(
-        [len(s.prompt_ids) + len(s.response_ids) for s in samples], budget, packed, cap))
+        [len(s.prompt_ids) + len(s.response_ids) for s in samples], budget, packed, cap,
+        padded))
     n = torch.tensor(len(plan))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [[]] * (int(n) - len(plan))

@@ -38,7 +38,7 @@ ALLOWED = {
     "moe": set(),  # mixture-of-experts routers: what they did, routing replay
     "seq_parallel": set(),  # Ulysses attention: all-to-alls around another attention function
     "vision": set(),  # images in prompts: their records, their positions in a packed row
-    "logprobs": {"moe", "seq_parallel", "vision"},  # the model's logprobs: packing, output layer
+    "logprobs": {"hybrid", "moe", "seq_parallel", "vision"},  # the model's logprobs: packing, output layer
     # the algorithm's formulas: nothing of engines, files or sharding
     "grpo": {"tracking", "config"},
     # the update's machinery: the loop over a batch, micro-batches, the fused pass's objective

@@ -173,6 +173,34 @@ def test_a_packed_row_holds_no_more_samples_than_the_fused_attention_takes():
     assert len(logprobs.plan_micro_batches(lengths, 16384, packed=True)) == 1
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_a_hybrid_s_rows_bound_the_padding_its_linear_layers_pay():
+    """A skewed mix (one 2,200-token sample, twenty of 100 and 150): first fit fills the long
+    sample's row with short ones, and a hybrid's Gated DeltaNet layers, which pad each sample to
+    its row's longest, would run 14 x 2,200 positions for a 4,096-token row. For a model with
+    such layers (config.layer_types) micro_batch_plan keeps every row's samples x longest within
+    LINEAR_PADDING x the budget; every sample is planned once, in as few rows as that allows
+    (the short ones fill one more row); a dense model's plan is first fit's alone."""
+    import types
+
+    from records import Sample
+
+    lengths = [2200] + [100, 150] * 10
+    samples = [Sample([1] * (n - 1), [2], [0.0], False) for n in lengths]
+    budget = 4096
+    dense = types.SimpleNamespace(layer_types=["full_attention"] * 2)
+    hybrid = types.SimpleNamespace(layer_types=["linear_attention", "full_attention"])
+    plain = logprobs.micro_batch_plan(samples, budget, True, dense)
+    # first fit: the long sample's row takes all ten of 150 and three of 100: 14 x 2,200 padded
+    assert max(len(b) * max(lengths[i] for i in b) for b in plain) == 14 * 2200
+    plan = logprobs.micro_batch_plan(samples, budget, True, hybrid)
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+    bound = logprobs.LINEAR_PADDING * budget
+    assert all(len(b) * max(lengths[i] for i in b) <= bound for b in plan), plan
+    assert all(sum(lengths[i] for i in b) <= budget for b in plan)
+    assert [len(b) for b in plan] == [3, 18]  # long + two 150s; the rest: 18 x 150 <= 8192
+
+
 def test_ulysses_rows_respect_the_fused_kernels_cap_padding_included():
     """Under sequence parallelism the attention is seq_parallel.attention around the fused one:
     its rows reach the same kernel (op-plugin's TND limit, npu_ops.FUSION_MAX_SAMPLES), and
