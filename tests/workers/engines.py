@@ -1,6 +1,11 @@
 """The start every engine worker shares: its arguments (MODEL_DIR TP), the platform's
-environment, the process group, the tokenizer, and an fp32 engine config for the tiny model."""
+environment, the process group, the tokenizer, and an fp32 engine config for the tiny model.
+With V1_WEIGHT_LOADERS=1 in the environment, vLLM's unquantized linear layers load through
+its v1 weight loaders, as vLLM-Ascend's NPU worker makes them (v0.23.0 worker/worker.py: it
+removes UnquantizedLinearMethod from WEIGHT_LOADER_V2_SUPPORTED), so that every push on an NPU
+goes through them; vLLM on CPU uses the v2 loaders otherwise."""
 
+import os
 import sys
 
 import npu_ops
@@ -16,6 +21,12 @@ def start(**engine) -> tuple:
     model_dir, tp = sys.argv[1], int(sys.argv[2])
     npu_ops.setup_env()
     rank, world = init_distributed()
+    if os.environ.get("V1_WEIGHT_LOADERS") == "1":
+        from vllm.model_executor.layers import linear
+
+        if "UnquantizedLinearMethod" in linear.WEIGHT_LOADER_V2_SUPPORTED:
+            linear.WEIGHT_LOADER_V2_SUPPORTED.remove("UnquantizedLinearMethod")
+        _count_loaders(linear)
     cfg = rollout.RolloutConfig(**{"tp_size": tp, "dtype": "float32", "max_model_len": 64,
                                    "kv_cache_memory_bytes": 16 << 20, **engine})
     return model_dir, tp, rank, world, AutoTokenizer.from_pretrained(model_dir), cfg
@@ -72,3 +83,27 @@ def swap(x: str, y: str):
         other = lambda n: n[:-len(x)] + y if n.endswith(x) else n[:-len(y)] + x  # noqa: E731
         return [(n, named[other(n)] if n.endswith((x, y)) else w) for n, w in weights]
     return change
+
+
+LOADER_CALLS = {"v1": 0, "v2": 0}  # with V1_WEIGHT_LOADERS: calls of each kind of loader
+
+
+def _count_loaders(linear) -> None:
+    """Count every call of the linear layers' weight loaders (v1: weight_loader, v2:
+    weight_loader_v2), which a layer binds when it is built; at exit the totals are printed
+    ("loader calls {...}"), and loader_calls() gives them now."""
+    import atexit
+
+    for cls in vars(linear).values():
+        if isinstance(cls, type) and issubclass(cls, linear.LinearBase):
+            for attr, kind in (("weight_loader", "v1"), ("weight_loader_v2", "v2")):
+                if attr in vars(cls):
+                    def counted(self, *a, _real=vars(cls)[attr], _kind=kind, **k):
+                        LOADER_CALLS[_kind] += 1
+                        return _real(self, *a, **k)
+                    setattr(cls, attr, counted)
+    atexit.register(lambda: print(f"loader calls {LOADER_CALLS}", flush=True))
+
+
+def loader_calls() -> dict:
+    return dict(LOADER_CALLS)

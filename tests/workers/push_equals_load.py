@@ -56,6 +56,7 @@ WRONG = {  # what: (a name the layout needs among the model's, the change)
 
 if mode == "push":
     engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
+    print(f"rank {rank} loader calls at load {engines.loader_calls()}", flush=True)
     torch.manual_seed(0)
     actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                    init_device_mesh("cpu", (world,)))

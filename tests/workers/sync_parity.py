@@ -31,6 +31,7 @@ model_dir, tp, rank, world, tok, cfg = engines.start(
     max_num_seqs=32, max_new_tokens=8, block_size=32, enable_prefix_caching=True,
     expert_parallel="--expert-parallel" in sys.argv)
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
+print(f"rank {rank} loader calls at load {engines.loader_calls()}", flush=True)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                init_device_mesh("cpu", (world,)))
