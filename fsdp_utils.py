@@ -154,7 +154,7 @@ class ModelConfig:
         not on CPU (npu_ops.check_moe_lora)."""
         targets, kind = self.lora.target_modules, text.get("model_type")
         linear = sorted(set(targets) & set(LORA_MODULES_LINEAR))
-        need(not linear or "linear_attention" in (text.get("layer_types") or ()),
+        need(not linear or hybrid.has_linear_attention(text),
              f"model.lora.target_modules has {', '.join(linear)}, which a {kind!r} model has "
              "not (a hybrid's Gated DeltaNet projections): they would match nothing. Fix: "
              "leave them out")

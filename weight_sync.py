@@ -99,8 +99,9 @@ def iter_full_params(model: torch.nn.Module, dtype: torch.dtype, stats: dict,
                      by_unit: bool = False, frozen_tower: bool = True):
     """Yield (HF name, full tensor in `dtype`) for every parameter, gathering FSDP2 shards; for a
     vision-language checkpoint, first the tensors the actor does not hold (its vision tower),
-    from the checkpoint's files, but for those the engine does not load (ENGINE_SKIPS): the engine's reload wants every tensor of its model (vLLM 0.23
-    refuses a push without them; 0.32 warns), and a level-2 sleep dropped them. A whole
+    from the checkpoint's files, but for those the engine does not load (ENGINE_SKIPS): the
+    engine's reload wants every tensor of its model (vLLM 0.23 refuses a push without them;
+    0.32 warns), and a level-2 sleep dropped them. A whole
     vision-language actor's frozen tower (vision.frozen_tower) is left out unless frozen_tower:
     where the engine keeps what a push leaves out (rollout.Engine.keeps_unsent)."""
     skip = () if frozen_tower else vision.frozen_tower(model)

@@ -8,7 +8,7 @@ random-init hybrid (tiny_task.build_tiny_model, no download), one rank. Prints o
 The mix: one --long-token sample and --count samples of each --short length. For each plan:
 its rows, the largest samples x longest of a row (the positions the Gated DeltaNet layers run),
 the bytes autograd saves for the backward (common.saved_bytes) and the best of --repeats
-forward+backward passes (trainer.accumulate_gradients).
+forward+backward passes after a warm-up (common.timed).
 """
 
 import argparse
@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +27,7 @@ import batcher  # noqa: E402
 import fsdp_utils  # noqa: E402
 import logprobs  # noqa: E402
 import trainer  # noqa: E402
-from common import saved_bytes  # noqa: E402
+from common import saved_bytes, timed  # noqa: E402
 from records import Sample  # noqa: E402
 from tasks import tiny_task  # noqa: E402
 from train_grpo import init_distributed, load_config  # noqa: E402
@@ -67,12 +66,7 @@ def main() -> None:
             trainer.accumulate_gradients(actor, batch, settings)
 
         out[f"{name}_activation_gb"] = round(saved_bytes(step) / 2**30, 3)
-        seconds = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - t)
-        out[f"{name}_s"] = round(min(seconds), 3)
+        out[f"{name}_s"] = round(timed(step, args.repeats, pick=min), 3)
     logprobs.LINEAR_PADDING = bound
     out["time_ratio"] = round(out["bounded_s"] / out["first_fit_s"], 3)
     print(json.dumps(out), flush=True)

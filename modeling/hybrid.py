@@ -47,16 +47,20 @@ FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
 
 def has_linear_attention(config) -> bool:
-    """Whether a model's layers include Gated DeltaNet ones (config.layer_types)."""
-    text = getattr(config, "text_config", None) or config
-    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+    """Whether a model's layers include Gated DeltaNet ones (config.layer_types): a transformers
+    config, or its config.json as a dict."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    text = get("text_config", None)
+    if text is not None:
+        return has_linear_attention(text)
+    return "linear_attention" in (get("layer_types", None) or ())
 
 
 def check(text: dict, sp_size: int, engine_dtype: str, shared_prefix: str = "off") -> None:
     """What a hybrid model (`text`: its config.json's language part) cannot do yet, or not in
     this engine dtype here, refused in one line before anything loads
     (fsdp_utils.ModelConfig.check_model calls it)."""
-    if "linear_attention" not in (text.get("layer_types") or ()):
+    if not has_linear_attention(text):
         return
     kind = text.get("model_type")
     problem = unsupported(kind)
@@ -228,8 +232,8 @@ def conv(original, hidden_states, weight, bias=None, activation=None, **kwargs):
     back (seq_parallel's, as attention's heads)."""
     if kwargs.get("row") is not None:
         row, group = kwargs["row"], kwargs["row"]["group"]
-        part = hidden_states.shape[1] // dist.get_world_size(group)
-        mine = slice(dist.get_rank(group) * part, (dist.get_rank(group) + 1) * part)
+        part, rank = hidden_states.shape[1] // dist.get_world_size(group), dist.get_rank(group)
+        mine = slice(rank * part, (rank + 1) * part)
         whole = seq_parallel.heads_to_sequence(hidden_states[..., None], group)[..., 0]
         out = conv(original, whole, weight[mine], None if bias is None else bias[mine],
                    activation, cu_seq_lens_q=row["cu_seq_lens_q"],
