@@ -10,7 +10,7 @@ prompt; then the tiny task's (prompts of 5 tokens, responses of 3, 32 groups of 
 share of configs/tiny_cpu.yaml) unless --no-tiny. Both layouts fit one row (micro_batch_tokens:
 the repeated layout's tokens). activation_gb: the bytes autograd saves for the backward
 (common.saved_bytes); seconds: the best of --repeats forward+backward passes
-(trainer.accumulate_gradients) after the one that counts the bytes; *_ratio: on's and auto's
+(trainer.accumulate_gradients) after a warm-up (common.timed); *_ratio: on's and auto's
 over off's; auto: whether auto shared.
 """
 
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +29,7 @@ import batcher  # noqa: E402
 import fsdp_utils  # noqa: E402
 import logprobs  # noqa: E402
 import trainer  # noqa: E402
-from common import random_qwen2, saved_bytes  # noqa: E402
+from common import random_qwen2, saved_bytes, timed  # noqa: E402
 from records import Sample  # noqa: E402
 from train_grpo import init_distributed, load_config  # noqa: E402
 
@@ -60,12 +59,7 @@ def measure(actor, samples: list, repeats: int) -> dict:
             trainer.accumulate_gradients(actor, batch, settings)
 
         out[f"{mode}_activation_gb"] = round(saved_bytes(step) / 2**30, 4)
-        seconds = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - t)
-        out[f"{mode}_s"] = round(min(seconds), 4)
+        out[f"{mode}_s"] = round(timed(step, repeats, pick=min), 4)
     for mode in ("on", "auto"):
         out[f"{mode}_time_ratio"] = round(out[f"{mode}_s"] / out["off_s"], 3)
         out[f"{mode}_activation_ratio"] = round(out[f"{mode}_activation_gb"]
