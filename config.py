@@ -56,10 +56,13 @@ class Domain:
 
 
 class Range(Domain):
-    """A finite number in [lo, hi] (None: unbounded; open=True: that end excluded)."""
+    """A finite number in [lo, hi] (None: unbounded; open=True: that end excluded); inf_ok:
+    or inf (a limit that is off)."""
 
-    def __init__(self, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False):
+    def __init__(self, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False,
+                 inf_ok: bool = False):
         self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
+        self.inf_ok = inf_ok
 
     def describe(self) -> str:
         parts = []
@@ -67,9 +70,12 @@ class Range(Domain):
             parts.append(f"{'>' if self.lo_open else '>='} {self.lo}")
         if self.hi is not None:
             parts.append(f"{'<' if self.hi_open else '<='} {self.hi}")
-        return "must be " + " and ".join(parts or ["a finite number"])
+        return "must be " + " and ".join(parts or ["a finite number"]) + (
+            ", or inf (off)" if self.inf_ok else "")
 
     def problem(self, value):
+        if self.inf_ok and not isinstance(value, bool) and value == math.inf:
+            return None
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
                 value):
             return self.describe()
@@ -84,7 +90,7 @@ class Range(Domain):
             out += [self.lo if self.lo_open else self.lo - 1, self.lo - 1000]
         if self.hi is not None:
             out += [self.hi if self.hi_open else self.hi + 1, self.hi * 1000 + 1000]
-        return out + [math.inf, math.nan]
+        return out + ([] if self.inf_ok else [math.inf]) + [-math.inf, math.nan]
 
 
 class OneOf(Domain):

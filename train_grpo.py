@@ -23,10 +23,12 @@ device-specific in npu_ops.py; config parsing in config.py, which runs each sect
 """
 
 import argparse
+import collections
 import copy
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import time
@@ -70,6 +72,7 @@ from tracking import LogConfig
 from workflows.distill import DistillConfig
 
 log = logging.getLogger("grpo")
+REWARD_WINDOW = 10  # the steps whose mean reward train.stop_at_reward compares
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,8 +82,11 @@ log = logging.getLogger("grpo")
 @dataclass
 class TrainConfig:
     # between steps (configure): steps (not under a cosine schedule, built for them)
-    LIVE = ("steps",)
+    LIVE = ("steps", "stop_at_reward")
     steps: Annotated[int, Range(1)] = 100  # steps of the run: each a rollout and its update
+    # end the run as a finished one (its export written) once the mean reward of its last
+    #   REWARD_WINDOW steps reaches this, before train.steps; inf: run every step
+    stop_at_reward: Annotated[float, Range(inf_ok=True)] = math.inf
     seed: Annotated[int, Range(0)] = 0  # data order: step N draws the same prompts, resumed or not
     # continue from the newest complete checkpoint in log.out_dir: auto (if there is one; what
     #   a restarting launcher needs: the same command starts and resumes), true (there must be
@@ -650,12 +656,19 @@ def train(cfg: Config) -> dict:
     """Run GRPO for cfg.train.steps steps and export the actor to log.out_dir/final; returns the
     last step's metrics. A stop signal (faults.StopSignals: SIGTERM, SIGUSR1) ends the run after
     the step it came in, with a checkpoint and no export."""
-    metrics = {}
+    metrics, rewards = {}, collections.deque(maxlen=REWARD_WINDOW)
     with setup(cfg) as run, faults.StopSignals() as signals:
         while run.step < run.applied.train.steps:
             metrics = train_step(run)
             if (got := signals.agreed()) is not None:
                 return stopped(run, got, metrics)
+            rewards.append(metrics["reward_mean"])  # the same on every rank (step_metrics)
+            if len(rewards) == REWARD_WINDOW and (
+                    sum(rewards) / REWARD_WINDOW >= run.applied.train.stop_at_reward):
+                log.info("the mean reward of steps %d-%d reached train.stop_at_reward=%g: the "
+                         "run ends here", run.step - REWARD_WINDOW + 1, run.step,
+                         run.applied.train.stop_at_reward)
+                break
         checkpoint.save_hf(run.actor, run.tokenizer,
                            os.path.join(run.applied.log.out_dir, "final"),
                            source=run.applied.model.path,  # the run's: the tiny task's path

@@ -3,6 +3,7 @@ real trainer on N ranks for --steps steps. Prints one JSON line.
 
     python bench/agent_forms.py                 # 2 ranks, 30 steps each; about 3 minutes
     python bench/agent_forms.py --steps 10
+    python bench/agent_forms.py --steps 2 --grpo.prompts_per_step=8   # config overrides follow
 
 `solve` (examples/calculator_agent.py) is handed a ready client (envs.with_client: one
 AsyncOpenAI a worker, with_options per episode); `solve_from_url` makes an AsyncOpenAI per
@@ -30,7 +31,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default=None, help="the runs' directory (default: a temp dir)")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()  # the rest: --section.key=value for both runs
     out_root = args.out or tempfile.mkdtemp(prefix="agent_forms_")
     os.makedirs(out_root, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -41,7 +42,7 @@ def main():
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
                "train_grpo.py", "--config", "configs/agent_cpu.yaml",
                f"--env.name=examples/calculator_agent.py:{form}", f"--train.steps={args.steps}",
-               "--log.eval_every=0", f"--log.out_dir={out}"]
+               "--log.eval_every=0", f"--log.out_dir={out}", *extra]
         failed = train_until(cmd, log, env)
         if failed:
             raise SystemExit(f"{form}: {failed}")

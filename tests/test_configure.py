@@ -29,7 +29,8 @@ APPLIED = {
     "grpo.is_cap_low", "grpo.off_policy_delta", "grpo.dynamic_sampling", "grpo.max_gen_rounds",
     "grpo.overlong", "grpo.overlong_buffer", "grpo.overlong_penalty_factor",
     "grpo.micro_batch_tokens", "grpo.pack", "grpo.logprob_chunk", "distill.loss",
-    "distill.coef", "distill.top_k", "distill.reward_coef", "train.steps", "log.samples_every",
+    "distill.coef", "distill.top_k", "distill.reward_coef", "train.steps", "train.stop_at_reward",
+    "log.samples_every",
     "log.eval_every", "log.eval_k", "log.eval_examples", "log.save_every",
     "log.keep_checkpoints"
 }
