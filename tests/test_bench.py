@@ -104,7 +104,7 @@ def test_agents_bench_times_the_endpoint_against_the_engine(tmp_path):
 def test_agent_forms_bench_trains_both_forms_without_a_traceback(tmp_path):
     """bench/agent_forms.py, small: both forms of the example agent train, their outputs hold
     no traceback, and the ratio is the two medians'."""
-    out = launch(["bench/agent_forms.py", "--steps", "3", "--nproc", "1", "--out",
+    out = launch(["bench/agent_forms.py", "--steps", "2", "--nproc", "1", "--out",
                   str(tmp_path), "--grpo.prompts_per_step=8"], nproc=1, timeout=900)
     line = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
     ready, url = line["solve"], line["solve_from_url"]

@@ -4,6 +4,7 @@ and a resume that matches a run never stopped), a rank killed under torchrun --m
 (skipped, bit for bit, counted; the run stops at optim.max_nonfinite in a row)."""
 
 import json
+import os
 import random
 
 import pytest
@@ -82,7 +83,11 @@ def test_a_rank_killed_on_one_of_two_nodes_restarts_both_as_if_never_killed(
     random step begins; its agent restarts it, the other agent restarts its rank as a change
     of membership (each counts its restarts: 1 and 0), both resume from the step before in
     the new round's store, and the run ends with every step's metrics those of the run never
-    killed. Without that variable the run is refused in one line (train_grpo.attempt_prefix)."""
+    killed. Without that variable the run is refused in one line (train_grpo.attempt_prefix).
+    Both ranks have LOCAL_RANK=0, so anything that took the local rank for the global one (the
+    tiny task's creation: the run starts from an empty task dir, file writes, engine groups)
+    would clash here: one rank writes the task, each step's line and its metrics, both write
+    their checkpoint files."""
     import subprocess
     import sys
 
@@ -95,15 +100,20 @@ def test_a_rank_killed_on_one_of_two_nodes_restarts_both_as_if_never_killed(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two",
            "--max-restarts=1", "tests/workers/signalled.py", "SIGKILL", "1", str(step),
-           *common(tiny_task_dir), "--log.save_every=1", "--train.resume=auto",
+           *common(tmp_path / "task"), "--log.save_every=1", "--train.resume=auto",
            "--train.dist_timeout_s=120", f"--log.out_dir={out}"]
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    said = "".join(node.communicate(timeout=900)[0] for node in nodes)
+    outs = [node.communicate(timeout=900)[0] for node in nodes]
+    said = "".join(outs)
     assert [node.returncode for node in nodes] == [0, 0], said[-3000:]
     assert f"sending itself SIGKILL in step {step}" in said
     assert f"continuing after step {step - 1}" in said, said[-3000:]
+    # one writer of the rows, no duplicate; the task it made is the fixture's (a seeded build)
     assert [numbers(r) for r in rows(out / "metrics.jsonl")] == uninterrupted, step
+    for i in range(1, 6):  # each step's line printed once, by rank 0's node of its round
+        assert said.count(f"step {i}/5 | reward") == 1, (i, said[-3000:])
+    assert len(os.listdir(out / "checkpoints" / "step_000005")) >= 4  # both ranks' files
     shared = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "1",
               "TORCHELASTIC_RESTART_COUNT": "0"}
     with pytest.raises(config.BadInput, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every"):
