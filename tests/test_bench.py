@@ -101,6 +101,7 @@ def test_agents_bench_times_the_endpoint_against_the_engine(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.main_only  # the bench script's own plumbing
+@pytest.mark.slow  # two torchrun runs; tests/test_agents.py trains each form in the README's lane
 def test_agent_forms_bench_trains_both_forms_without_a_traceback(tmp_path):
     """bench/agent_forms.py, small: both forms of the example agent train, their outputs hold
     no traceback, and the ratio is the two medians'."""

@@ -59,6 +59,7 @@ def test_sigterm_mid_step_stops_after_it_with_a_checkpoint_and_resumes_exactly(
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # torchrun's own restart; the README's lane restarts a rank in the two-node test
 def test_a_rank_killed_under_torchrun_restarts_and_finishes_as_if_never_killed(
         tiny_task_dir, tmp_path, uninterrupted):
     """torchrun --max-restarts=1, a checkpoint every step, train.resume=auto: rank 1 killed with
