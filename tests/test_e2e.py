@@ -17,6 +17,12 @@ KEYS = {"step", "reward_mean", "response_len_mean", "step_time_s", "gen_time_s",
         "samples_trained", "gen_rounds"}
 
 
+def reward_means(rows: list[dict]) -> tuple[float, float]:
+    """The mean reward of a run's first 10 steps and of its last 10 (metrics.jsonl rows)."""
+    return (sum(r["reward_mean"] for r in rows[:10]) / 10,
+            sum(r["reward_mean"] for r in rows[-10:]) / 10)
+
+
 @pytest.mark.engine
 def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
     """From nothing: the run itself creates the tiny task (one writer, two ranks). Its reward is
@@ -57,8 +63,7 @@ def test_two_rank_run_learns_from_a_plugin_reward(tmp_path):
 
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert KEYS <= set(rows[0])
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    first, last = reward_means(rows)
     assert last >= 0.07 and last > 2 * first, (first, last)
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
     assert all(r["logp_gap"] < 1e-4 for r in rows)  # fp32 engine == fp32 trainer
@@ -118,8 +123,7 @@ def test_variants_run_and_learn(tiny_task_dir, tmp_path):
     assert all(r["groups_trained"] <= prompts for r in rows)
     # the overlong penalty teaches the model to stop before the limit
     assert rows[0]["truncated_frac"] > 0.5 and sum(r["truncated_frac"] for r in rows[-5:]) < 0.05
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    first, last = reward_means(rows)
     assert last > 2 * first and last > 0.05, (first, last)
     # the actor and its optimizer state went out of device memory at every step, into host
     # memory of exactly their size, the same from step 2 on (Adam's state exists from then on)
@@ -204,8 +208,7 @@ def test_multi_turn_run(tiny_task_dir, tmp_path):
     assert all(r["logp_gap"] < 1e-4 for r in rows)  # over the model's tokens, every step
     assert all(r["env_errors"] == 0 and r["env_timeouts"] == 0 for r in rows)
     assert rows[0]["turns_mean"] > 1.5  # most first answers are wrong: a second turn follows
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    first, last = reward_means(rows)
     assert last >= 0.09 and last > 2 * first, (first, last)
     roles = [[m["role"] for m in json.loads(line)["completion"]]  # whole conversations
              for line in open(out_dir / "samples.jsonl")]
@@ -255,8 +258,7 @@ def test_a_mixture_of_experts_trains(tmp_path):
     assert json.load(open(task / "model" / "config.json"))["model_type"] == "qwen3_moe"
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     assert all(r["logp_gap"] < 1e-4 for r in rows), [r["logp_gap"] for r in rows]
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    first, last = reward_means(rows)
     assert len(rows) < 50 and last >= 0.05 and last > 2 * first, (len(rows), first, last)
 
 
@@ -272,7 +274,6 @@ def test_sequence_parallel_trains(tiny_task_dir, tmp_path):
             f"--log.out_dir={tmp_path}", "--log.eval_every=0", "--model.sp_size=2"], timeout=900)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) < 50 and all(r["logp_gap"] < 1e-4 for r in rows), rows[-1]
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    first, last = reward_means(rows)
     assert last >= 0.04 and last > 2 * first, (first, last)
 
