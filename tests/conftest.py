@@ -24,11 +24,18 @@ def free_port() -> int:
 
 
 class ForkServer:
-    """tests/forkserver.py, started on first use and kept for the session: jobs forked from a
-    process that has already imported torch, transformers and vLLM."""
+    """tests/forkserver.py, started as the session starts (its imports, ~6 s, run while pytest
+    collects) and kept for the session: jobs forked from a process that has already imported
+    torch, transformers and vLLM."""
 
     def __init__(self):
-        self.proc = None
+        self.proc, self.used = None, False
+
+    def start(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "tests/forkserver.py"], cwd=ROOT,
+                                         env=base_env(), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
 
     def run(self, argv: list[str], nproc: int, ranks: bool, env: dict, timeout: float,
             stdout: str, stderr: str) -> int:
@@ -39,10 +46,8 @@ class ForkServer:
     def submit(self, argv: list[str], nproc: int, ranks: bool, env: dict, timeout: float,
                stdout: str, stderr: str) -> None:
         """Start a job (one at a time: answer() before the next)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "tests/forkserver.py"], cwd=ROOT,
-                                         env=base_env(), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
+        self.start()
+        self.used = True
         self.job = dict(argv=argv, nproc=nproc, ranks=ranks, env=env, timeout=timeout,
                         stdout=stdout, stderr=stderr)
         self.proc.stdin.write(json.dumps(self.job) + "\n")
@@ -66,6 +71,8 @@ class ForkServer:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            if not self.used:  # a session that forked nothing: not kept waiting for its imports
+                self.proc.kill()
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
 
@@ -73,7 +80,12 @@ class ForkServer:
 FORKS = ForkServer()
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_configure(config):
+    if not config.option.collectonly:
+        FORKS.start()
+
+
+def pytest_unconfigure(config):
     FORKS.close()
 
 
