@@ -99,7 +99,16 @@ def resolve(spec: str, field: str, builtins: dict, signature: str):
     return fn
 
 
-def call(fn, spec: str, args: tuple, check, shown: set, what: str):
+class Shown(set):
+    """The (function, kind of error) pairs whose failure was printed; none is while `quiet` is
+    set (Worker.quiet: the calls in flight then fail by design)."""
+
+    def __init__(self, quiet):
+        super().__init__()
+        self.quiet = quiet
+
+
+def call(fn, spec: str, args: tuple, check, shown: Shown, what: str):
     """check(fn(*args)), or Failed if that raised (with the traceback on stderr the first time for
     each function and kind of error, so that a broken one is seen, and a flood is not)."""
     try:
@@ -108,7 +117,7 @@ def call(fn, spec: str, args: tuple, check, shown: set, what: str):
         return _failed(spec, shown, what, e)
 
 
-async def acall(fn, spec: str, args: tuple, check, shown: set, what: str):
+async def acall(fn, spec: str, args: tuple, check, shown: Shown, what: str):
     """call() for an `async def` function."""
     try:
         return check(await fn(*args))
@@ -116,8 +125,8 @@ async def acall(fn, spec: str, args: tuple, check, shown: set, what: str):
         return _failed(spec, shown, what, e)
 
 
-def _failed(spec: str, shown: set, what: str, e: Exception):
-    if (spec, type(e)) not in shown:
+def _failed(spec: str, shown: Shown, what: str, e: Exception):
+    if (spec, type(e)) not in shown and not shown.quiet.is_set():
         shown.add((spec, type(e)))
         print(f"{what} {spec!r} failed with {type(e).__name__} (counted; each kind of error "
               "shown once):", file=sys.stderr)
@@ -149,7 +158,7 @@ async def _gather(fns, specs, calls, check, shown, what, concurrency, timeout_s,
 
 
 def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int,
-            concurrency: int) -> None:
+            concurrency: int, quiet) -> None:
     """The worker process (module level: spawn pickles it, `resolver` and `check` too, by name).
     Resolves the specs and sends "ready". Then per job, a list of (k, function index, args):
     plain functions one after another, each outcome sent as (k, outcome); `async def` ones
@@ -170,7 +179,7 @@ def _worker(conn, specs: list[str], resolver, check, what: str, parent_pid: int,
     except Exception as e:
         return conn.send(one_line(e))
     conn.send("ready")
-    shown = set()
+    shown = Shown(quiet)
     # one event loop for the process's life, not one a job: what a job's calls leave behind
     #   finds its loop open later (an HTTP client they made and dropped is closed when the
     #   garbage collector gets to it, on the loop running then: openai 3.57's
@@ -223,7 +232,9 @@ class InProcess:
 
     def __init__(self, specs, fns, is_async, check, what: str, concurrency: int):
         self.specs, self.fns, self.is_async, self.check = specs, fns, is_async, check
-        self.what, self.concurrency, self._shown = what, concurrency, set()  # (failures shown)
+        self.what, self.concurrency = what, concurrency
+        self.quiet = threading.Event()  # (Worker.quiet)
+        self._shown = Shown(self.quiet)  # the failures shown
         self.loop = None  # this thread's, made at the first async job
         self.helper = None  # (a loop running in a helper thread, that thread), in a notebook
 
@@ -247,7 +258,10 @@ class InProcess:
                       self.concurrency, None, ended=ended)
         try:
             asyncio.get_running_loop()
-        except RuntimeError:
+            notebook = True
+        except RuntimeError:  # (not run in this except: a call's traceback would show it)
+            notebook = False
+        if not notebook:
             self.loop = self.loop or asyncio.new_event_loop()
             task = self.loop.create_task(job)
             try:
@@ -301,6 +315,7 @@ class Processes:
         self.timeout_s, self.what = timeout_s, what
         self.workers, self.concurrency = workers, concurrency
         self._plain, self._async = [], []  # the worker processes, _Proc each
+        self.quiet = multiprocessing.get_context("spawn").Event()  # (Worker.quiet), theirs too
 
     def run(self, calls: list[tuple[int, tuple]], ended=None) -> list:
         try:
@@ -424,7 +439,8 @@ class Processes:
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/vLLM threads
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(child, self.specs, self.resolver, self.check,
-                                                 self.what, os.getpid(), self.concurrency))
+                                                 self.what, os.getpid(), self.concurrency,
+                                                 self.quiet))
         # spawn re-runs the parent's __main__ file in the child (train_grpo.py: torch and the
         # accelerator setup, seconds and hundreds of MB); the worker needs only the functions'
         # own modules: hide it
@@ -507,6 +523,16 @@ class Worker:
         mine = [self.specs[j] for j in sorted(self.local)]
         return (f"up to {self.workers} at once, in worker processes"
                 + (f" ({', '.join(mine)} in this process)" if mine else ""))
+
+    def quiet(self, on: bool = True) -> None:
+        """With `on`, a failed call prints nothing (still Failed): for the calls in flight as
+        their run ends, which fail by design (an agent's endpoint answering "the rollout is
+        over"). Off again for the next job."""
+        for runner in (self.here, self.runner):
+            if on:
+                runner.quiet.set()
+            else:
+                runner.quiet.clear()
 
     def close(self) -> None:
         try:

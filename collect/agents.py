@@ -267,6 +267,15 @@ class AgentRunner:
             w.close()
 
 
+def overridden(sampling: dict, req: openai_api.Request, limit: int) -> dict:
+    """The settings the run used (`sampling`, and the call's room) where the call asked for
+    others."""
+    out = {k: sampling[k] for k, v in req.asked.items() if v != sampling[k]}
+    if req.max_tokens is not None and req.max_tokens > limit:
+        out["max_tokens"] = limit
+    return out
+
+
 def sampling(engine, greedy: bool) -> dict:
     """The sampling settings the engine's requests use (Engine.sampling's; a call asking for
     others is told: `overridden`)."""
@@ -293,9 +302,9 @@ class Serving:
         self.by_key.update((e.key, e) for e in eps)
         worker = self.runner.idle.pop() if self.runner.idle else self.runner.new_worker()
         jobs = [(0, (self.endpoint.url(e.key), e.example)) for e in eps]
-        self.jobs.append(threading.Thread(target=self._job, args=(worker, eps, jobs),
-                                          daemon=True))
-        self.jobs[-1].start()
+        self.jobs.append((threading.Thread(target=self._job, args=(worker, eps, jobs),
+                                           daemon=True), worker))
+        self.jobs[-1][0].start()
 
     def _job(self, worker: plugins.Worker, eps: list[Episode], jobs: list) -> None:
         try:
@@ -360,7 +369,7 @@ class Serving:
             return []
         e.calls += 1
         limit = min(room, req.max_tokens or room)
-        w = Work(e, base, between, prompt, req, limit, self.overridden(req, limit),
+        w = Work(e, base, between, prompt, req, limit, overridden(self.sampling, req, limit),
                  [([], [], []) for _ in range(req.n)], [None] * req.n, call)
         return [self.add(w, j) for j in range(req.n)]
 
@@ -383,13 +392,6 @@ class Serving:
                 else rollout.seed_from(self.seed, w.episode.index, w.episode.calls, j, len(done)))
         self.pending[rid] = (w, j)
         return rid, w.prompt + done, w.limit - len(done), seed, w.req.stop
-
-    def overridden(self, req: openai_api.Request, limit: int) -> dict:
-        """The settings the run used where the call asked for others."""
-        out = {k: self.sampling[k] for k, v in req.asked.items() if v != self.sampling[k]}
-        if req.max_tokens is not None and req.max_tokens > limit:
-            out["max_tokens"] = limit
-        return out
 
     def wrote(self, rid: str, ids: list, logp: list) -> tuple:
         self.made_tokens += len(ids)
@@ -431,16 +433,21 @@ class Serving:
             w.call.answer(404, openai_api.error_body("the episode was dropped as too stale", 404))
 
     def close(self) -> None:
-        """Answer what still waits, stop the server, wait for the agents."""
+        """Answer what still waits, stop the server, wait for the agents. The agents still in
+        flight (partial rollout's at the run's end, or any after an error) fail on the answer
+        "the rollout is over": by design, so their workers print nothing of it."""
         over = openai_api.error_body("the rollout is over", 503)
+        for _, worker in self.jobs:
+            worker.quiet()
         for w, _ in list(self.pending.values()) + self.carried:
             w.call.answer(503, over)
         self.pending, self.carried = {}, []
         self.endpoint.close()
         while not self.calls.empty():
             self.calls.get_nowait().answer(503, over)
-        for job in self.jobs:
+        for job, worker in self.jobs:
             job.join()
+            worker.quiet(False)
         self.seconds = time.perf_counter() - self.t
         if self.errors:
             raise self.errors[0]

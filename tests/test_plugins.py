@@ -285,3 +285,23 @@ def test_each_kind_of_error_is_shown_once_with_its_traceback(timeout_s, capfd):
     err = capfd.readouterr().err
     assert err.count("Traceback") == 2, err[-3000:]
     assert err.count("failed with RuntimeError") == err.count("failed with ValueError") == 1
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, 0], ids=["worker-process", "in-process"])
+def test_calls_failing_while_quiet_print_nothing(timeout_s, capfd):
+    """Worker.quiet, set as an agent's endpoint closes on the calls in flight (collect/agents.py:
+    Serving.close): the calls that fail while it is set (in a worker process already running,
+    or here) are counted as failed and print nothing; once it is off, the first failure of
+    that kind prints its traceback."""
+    with worker(timeout_s=timeout_s, workers=1) as w:
+        assert w.run([(1, (0, {}))])[0] != plugins.Failed  # the worker process is up
+        quiet = threading.Timer(0.1, w.quiet)  # while the calls nap
+        quiet.start()
+        assert w.run([(1, (i, {"mode": "late", "s": 1.5})) for i in range(4)]) == \
+            [plugins.Failed] * 4
+        quiet.join()
+        assert "Traceback" not in capfd.readouterr().err
+        w.quiet(False)
+        assert w.run([(1, (0, {"mode": "boom"}))]) == [plugins.Failed]
+    err = capfd.readouterr().err
+    assert err.count("Traceback") == 1 and "failed with RuntimeError" in err, err[-3000:]

@@ -35,6 +35,8 @@ async def anap(x, example):
     if mode == "boom":
         raise RuntimeError("boom")
     await asyncio.sleep(example.get("s", 0.0))
+    if mode == "late":  # fails once its nap is over
+        raise RuntimeError("late")
     return f"{x}@{os.getpid()}"
 
 
