@@ -33,6 +33,8 @@ def test_step_bench_forces_full_length_and_times_every_phase(tiny_task_dir):
 
 @pytest.mark.engine
 @pytest.mark.main_only  # the bench script's own plumbing
+@pytest.mark.slow  # worker pools of fresh processes; the README's lane times the pools' calls
+#   against their sleeps' arithmetic (tests/test_plugins.py) and runs environments in them
 def test_envs_bench_times_every_mode(tiny_task_dir):
     """bench/envs.py, small: every mode runs the episodes to their 3 turns and scores them, and
     the pooled and async modes take less than serial, whose naps alone are 3 x 16 x 10 ms."""
@@ -115,6 +117,8 @@ def test_agent_forms_bench_trains_both_forms_without_a_traceback(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.main_only  # the bench script's own plumbing
+@pytest.mark.slow  # torchrun's fresh ranks; the README's lane checks that a step leaves nothing
+#   that grows (tests/test_faults.py: weak references to step 3's objects)
 def test_memory_bench_fits_the_growth_of_host_memory(tiny_task_dir, tmp_path):
     """bench/memory.py, small: the run's host memory per step, fitted after the warm-up."""
     out = launch(["bench/memory.py", "--steps", "8", "--warmup", "2", "--out", str(tmp_path),
