@@ -294,7 +294,7 @@ def test_calls_failing_while_quiet_print_nothing(timeout_s, capfd):
     or here) are counted as failed and print nothing; once it is off, the first failure of
     that kind prints its traceback."""
     with worker(timeout_s=timeout_s, workers=1) as w:
-        assert w.run([(1, (0, {}))])[0] != plugins.Failed  # the worker process is up
+        assert w.run([(1, (0, {}))])[0] != plugins.Failed  # (its worker process, if any: up)
         quiet = threading.Timer(0.1, w.quiet)  # while the calls nap
         quiet.start()
         assert w.run([(1, (i, {"mode": "late", "s": 1.5})) for i in range(4)]) == \
