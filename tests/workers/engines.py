@@ -93,12 +93,16 @@ def _count_loaders(linear) -> None:
     weight_loader_v2), which a layer binds when it is built; at exit the totals are printed
     ("loader calls {...}"), and loader_calls() gives them now."""
     import atexit
+    import functools
 
     for cls in vars(linear).values():
         if isinstance(cls, type) and issubclass(cls, linear.LinearBase):
             for attr, kind in (("weight_loader", "v1"), ("weight_loader_v2", "v2")):
                 if attr in vars(cls):
-                    def counted(self, *a, _real=vars(cls)[attr], _kind=kind, **k):
+                    real = vars(cls)[attr]
+
+                    @functools.wraps(real)  # the loader's signature: the reload rebinds `param`
+                    def counted(self, *a, _real=real, _kind=kind, **k):
                         LOADER_CALLS[_kind] += 1
                         return _real(self, *a, **k)
                     setattr(cls, attr, counted)
