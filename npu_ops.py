@@ -636,9 +636,15 @@ FUSION_MAX_SAMPLES = 1024
 
 # The chips whose "Supported Products" list each fused kernel (op-plugin 26.1.0 docs/en/
 # custom_APIs/torch_npu/<kernel>.md), named as vLLM-Ascend names them (ascend_soc; A5 is the
-# Ascend 950: vllm_ascend/utils.py is_950; _310P the Atlas inference products)
+# Ascend 950: vllm_ascend/utils.py is_950; _310P the Atlas inference products). One addition
+# by source: npu_fusion_attention's doc lists A2 and the 950, yet op-plugin 26.1.0's own SDPA
+# sends a 4-D call on any chip from the 910B1 below the 950, A3 included, to the same
+# FlashAttentionScore kernel (ScaledDotProductAttentionKernelNpuOpApi.cpp, npu_fusion_attention_v3
+# in BNSD; FlashAttentionKernelNpuOpApi.cpp checks no chip but the 950), and vLLM-Ascend 0.23 calls
+# npu_fusion_attention in TND on A2 and A3 alike (vllm_ascend/device/utils.py). So on an A3 sdpa
+# runs that kernel on samples padded to the longest; npu_fusion runs it on the packed row.
 KERNEL_CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
-                "npu_swiglu": ("A2",), "npu_fusion_attention": ("A2", "A5")}
+                "npu_swiglu": ("A2",), "npu_fusion_attention": ("A2", "A3", "A5")}
 
 
 def _undocumented(kernel: str) -> str | None:
@@ -647,8 +653,8 @@ def _undocumented(kernel: str) -> str | None:
     chip = ascend_soc()
     if chip is None or chip in KERNEL_CHIPS[kernel]:
         return None
-    return (f"{kernel} is documented for {'/'.join(KERNEL_CHIPS[kernel])} only, not {chip} "
-            "(op-plugin 26.1.0)")
+    return (f"{kernel} is listed for {'/'.join(KERNEL_CHIPS[kernel])} only, not {chip} "
+            "(op-plugin 26.1.0, npu_ops.KERNEL_CHIPS)")
 
 
 def kernel_fallbacks(rotary_scale: float = 1.0) -> dict[str, str]:
@@ -671,9 +677,9 @@ def _warn_once(line: str) -> None:
 
 
 def attention_implementation(requested: str) -> str:
-    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here) where op-plugin's
-    docs list npu_fusion_attention for the chip, else 'sdpa' (logged once); 'sdpa' elsewhere.
-    FUSION_ATTENTION asked for on a chip the docs do not list is a ValueError."""
+    """'auto' -> FUSION_ATTENTION on NPU (fusion_attention; not run here) where
+    npu_fusion_attention runs on the chip (KERNEL_CHIPS), else 'sdpa' (logged once); 'sdpa'
+    elsewhere. FUSION_ATTENTION asked for on another chip is a ValueError."""
     if requested == FUSION_ATTENTION and not has_kernels():
         raise ValueError(f"model.attn_implementation={requested} needs torch_npu. Fix: auto")
     why = _undocumented("npu_fusion_attention")

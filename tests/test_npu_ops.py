@@ -24,7 +24,7 @@ class StandInTorchNpu:
     26.1.0 doc lists under "Supported Products"."""
 
     CHIPS = {"npu_rms_norm": ("A2", "A3", "_310P"), "npu_rotary_mul": ("A2", "A3", "_310P"),
-             "npu_swiglu": ("A2",)}
+             "npu_swiglu": ("A2",)}  # npu_fusion_attention: npu_ops.KERNEL_CHIPS says why A3
 
     def __init__(self, chip=None):
         self.calls = {"npu_rms_norm": 0, "npu_rotary_mul": 0, "npu_swiglu": 0}
@@ -1097,13 +1097,15 @@ def vllm_ascend_built_for(monkeypatch, chip: str) -> None:
     monkeypatch.setitem(sys.modules, "vllm_ascend._build_info", info)
 
 
-@pytest.mark.parametrize("chip", ["A2", "A3"])
+@pytest.mark.parametrize("chip", ["A2", "A3", "_310P"])
 def test_kernels_the_docs_do_not_list_for_the_chip_are_not_taken(monkeypatch, restore_rotary,
                                                                  caplog, chip):
-    """op-plugin 26.1.0 lists npu_swiglu for A2 and npu_fusion_attention for A2 and the 950
-    only: on an A3 (device stubbed, a stand-in torch_npu that refuses a kernel off its listed
-    chips) the MLP takes its plain-torch reference and model.attn_implementation=auto gives
-    sdpa, both said in the log; asking for npu_fusion there is one line naming the fix."""
+    """op-plugin 26.1.0 lists npu_swiglu for A2 only: on an A3 or a 310P (device stubbed, a
+    stand-in torch_npu that refuses a kernel off its listed chips) the MLP takes its plain-torch
+    reference, said in the start-up report. npu_fusion_attention runs on A2 and A3 (its doc lists
+    A2 and the 950; A3 by op-plugin's and vLLM-Ascend's source, npu_ops.KERNEL_CHIPS): there
+    model.attn_implementation=auto gives it; on a 310P auto gives sdpa with a warning, and asking
+    for npu_fusion is one line naming the fix."""
     vllm_ascend_built_for(monkeypatch, chip)
     monkeypatch.setattr(npu_ops, "device_type", lambda: "npu")
     model = tiny_task.build_tiny_model(15, 1, 0, seed=3, arch="qwen3")
@@ -1117,19 +1119,23 @@ def test_kernels_the_docs_do_not_list_for_the_chip_are_not_taken(monkeypatch, re
     assert standin.calls["npu_rms_norm"] > 0 and standin.calls["npu_rotary_mul"] > 0
     if chip == "A2":
         assert standin.calls["npu_swiglu"] == 2 and report[1].endswith("swiglu_mlp_fused")
-        assert npu_ops.attention_implementation("auto") == npu_ops.FUSION_ATTENTION
-        assert npu_ops.attention_implementation("npu_fusion") == npu_ops.FUSION_ATTENTION
-        return
-    assert standin.calls["npu_swiglu"] == 0
-    assert report[1].endswith("-> swiglu_mlp_reference (npu_swiglu is documented for A2 only, "
-                              "not A3 (op-plugin 26.1.0))"), report
+    else:
+        assert standin.calls["npu_swiglu"] == 0
+        assert report[1].endswith(f"-> swiglu_mlp_reference (npu_swiglu is listed for A2 only, "
+                                  f"not {chip} (op-plugin 26.1.0, npu_ops.KERNEL_CHIPS))"), report
     npu_ops._warn_once.cache_clear()
+    if chip in ("A2", "A3"):
+        with caplog.at_level("WARNING", logger="grpo"):
+            assert npu_ops.attention_implementation("auto") == npu_ops.FUSION_ATTENTION
+            assert npu_ops.attention_implementation("npu_fusion") == npu_ops.FUSION_ATTENTION
+        assert "attn_implementation" not in caplog.text
+        return
     with caplog.at_level("WARNING", logger="grpo"):
         assert npu_ops.attention_implementation("auto") == "sdpa"
     assert ("model.attn_implementation=auto: sdpa, not npu_fusion: npu_fusion_attention is "
-            "documented for A2/A5 only, not A3") in caplog.text
+            "listed for A2/A3/A5 only, not _310P") in caplog.text
     with pytest.raises(ValueError, match=r"^model.attn_implementation=npu_fusion: "
-                       "npu_fusion_attention is documented for A2/A5 only, not A3 .* Fix: "):
+                       "npu_fusion_attention is listed for A2/A3/A5 only, not _310P .* Fix: "):
         npu_ops.attention_implementation("npu_fusion")
 
 
