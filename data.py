@@ -54,6 +54,10 @@ class DataConfig:
     #   {bytes, path}), placed before its first user turn's text by the chat template; needs a
     #   vision-language model (model.path) and data.chat_template ("": text prompts)
     image_key: Annotated[str, Anything(LOADS)] = ""
+    # with image_key: each image resized to at most this many pixels, by the trainer's processor
+    #   and the engine's alike (load_processor, rollout.engine_media); 0: the checkpoint's
+    #   preprocessor_config.json bound (Qwen2.5-VL's: 12845056, up to 16384 tokens an image)
+    max_pixels: Annotated[int, Range(0)] = 0
     max_prompt_len: Annotated[int, Range(1)] = 512  # longer prompts are dropped at load time
     # if set: create the built-in tiny model + prompts here if missing
     tiny_task_dir: Annotated[str, Anything("any directory path: created if missing")] = ""
@@ -70,6 +74,10 @@ class DataConfig:
         images only for a vision-language model, through its chat template (config.check_model
         calls it)."""
         path = cfg.model.path
+        if self.max_pixels and not self.image_key:
+            raise BadInput(f"config: data.max_pixels={self.max_pixels} bounds the images of "
+                           "data.image_key, which is empty. Fix: data.max_pixels=0, or name the "
+                           "images' column in data.image_key")
         if self.image_key:
             with open(os.path.join(path, "config.json")) as f:
                 kind = json.load(f)
@@ -317,6 +325,25 @@ def _image_prompt(processor, messages: list[dict], images) -> tuple[list[int], d
     ids, _ = vision.encode(processor, text, images)
     engine = list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
     return ids, {"prompt_text": text, "engine_prompt_ids": engine}
+
+
+def load_processor(cfg: DataConfig, model_path: str):
+    """The model's AutoProcessor for prompts with images (data.image_key; None without), its
+    images resized to at most data.max_pixels (0: the checkpoint's own bound). transformers 5.5
+    and 5.19 take max_pixels as the image processor's size["longest_edge"] (smart_resize shrinks
+    a larger image to fit, whatever its shortest_edge), as vLLM does with the same argument
+    (rollout.engine_media)."""
+    from transformers import AutoProcessor
+
+    if not cfg.image_key:
+        return None
+    return AutoProcessor.from_pretrained(
+        model_path, **({"max_pixels": cfg.max_pixels} if cfg.max_pixels else {}))
+
+
+def most_images(cfg: DataConfig, examples: list[dict]) -> int:
+    """The most images a prompt of `examples` has (at least 1): the engine's limit."""
+    return max([1] + [len(vision.as_list(ex[cfg.image_key])) for ex in examples])
 
 
 def load_examples(cfg: DataConfig, tokenizer, split: str | None = None,

@@ -299,10 +299,11 @@ class Engine:
     """generate / stream / sleep / wake / load_weights around one in-process vLLM LLM."""
 
     def __init__(self, cfg: RolloutConfig, model_path: str, tp_group_index: int = 0,
-                 lora=None, routing: bool = False):
+                 lora=None, routing: bool = False, media: dict | None = None):
         """lora: the actor's adapters (fsdp_utils.LoraConfig, rank > 0: LoRA on, one adapter
         slot, every request with the actor's adapter, which load_adapter writes), or None.
-        routing: each sample carries the engine's experts (model.routing_replay)."""
+        routing: each sample carries the engine's experts (model.routing_replay).
+        media: prompts with images, the engine's multimodal bounds (engine_media)."""
         self.cfg, self.lora = cfg, lora if lora is not None and lora.rank else None
         self.can_sleep = npu_ops.engine_supports_sleep()
         if not self.can_sleep:
@@ -311,7 +312,7 @@ class Engine:
         allocated = npu_ops.memory_gb()["allocated"]
         quiet_rotary_reload_warning()
         self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep,
-                        routing)
+                        routing, media or {})
         if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
             log.info(applied)
         # vLLM logs every prefix-cache reset at INFO: after start-up only its warnings (debug here)
@@ -585,13 +586,32 @@ def _samples(prompt_ids: list, outs: list, media: list | None = None) -> list:
             for prompt, m, out in zip(prompt_ids, media, outs) for c in out.outputs]
 
 
+def engine_media(max_images: int, max_pixels: int = 0) -> dict:
+    """vLLM's multimodal arguments for prompts of at most `max_images` images, as vLLM-Ascend
+    0.23's Qwen3-VL tutorials set them (docs/source/tutorials/models/Qwen3-VL-30B-A3B-Instruct.md):
+    - mm_processor_cache_gb 0: no cache of processed images (vLLM's default keeps up to 4 GiB in
+      each process, vLLM 0.23, 0.32 config/multimodal.py); a group's samples are one request
+      (n = G), so its images are processed once a step anyway;
+    - limit_mm_per_prompt {"image": max_images, "video": 0}: a modality left out gets 999 items,
+      and the engine's start-up profiling runs the one with the most tokens, video as a rule
+      (v1/worker/gpu_model_runner.py profile_run);
+    - mm_processor_kwargs {"max_pixels": max_pixels} where set: the same bound as the trainer's
+      processor (data.load_processor), which also sizes the dummy image the engine profiles
+      (models/qwen2_vl.py get_image_size_with_most_features). rollout._samples stops a step
+      whose engine expanded an image to other ids than the trainer's."""
+    return {"limit_mm_per_prompt": {"image": max_images, "video": 0}, "mm_processor_cache_gb": 0,
+            **({"mm_processor_kwargs": {"max_pixels": max_pixels}} if max_pixels else {})}
+
+
 def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
-         routing: bool = False):
+         routing: bool = False, media: dict | None = None):
     """vLLM's LLM, in this process, joining the process group (external launcher); routing:
-    each completion with its routed experts (vLLM 0.23, 0.32 engine/arg_utils.py)."""
+    each completion with its routed experts (vLLM 0.23, 0.32 engine/arg_utils.py); media: its
+    multimodal arguments (engine_media)."""
     from vllm import LLM
 
     extra = {"block_size": cfg.block_size} if cfg.block_size else {}
+    extra.update(media or {})
     if cfg.expert_parallel:
         extra["enable_expert_parallel"] = True
     if routing:

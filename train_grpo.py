@@ -314,12 +314,13 @@ def build(run: Run) -> None:
     reference and optimizer, the batch's transforms); the engine's turn; the newest checkpoint
     with train.resume; the tracker."""
     from tqdm import tqdm
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
 
     cfg = run.applied
     run.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    # prompts with images: the model's processor places them (data.image_key)
-    processor = AutoProcessor.from_pretrained(cfg.model.path) if cfg.data.image_key else None
+    # prompts with images: the model's processor places them (data.image_key), the engine's
+    #   resizes them to the same bound (data.max_pixels)
+    processor = data.load_processor(cfg.data, cfg.model.path)
     examples = data.load_examples(cfg.data, run.tokenizer, processor=processor)
     run.eval_examples = (data.load_examples(cfg.data, run.tokenizer, cfg.data.eval_split,
                                             cfg.data.eval_path, processor)
@@ -340,7 +341,10 @@ def build(run: Run) -> None:
             log.info("%s calls: %s", what, worker.where())
     run.engine = rollout.Engine(cfg.rollout, cfg.model.path, tp_group_index=run.group.index,
                                 lora=cfg.model.lora,  # with adapters: LoRA on
-                                routing=cfg.model.routing_replay)
+                                routing=cfg.model.routing_replay,
+                                media=rollout.engine_media(
+                                    data.most_images(cfg.data, examples + run.eval_examples),
+                                    cfg.data.max_pixels) if processor else None)
     run.engine.sleep()
     run.scoring = grpo.Scoring(cfg.grpo, cfg.env.max_tokens if cfg.env.name
                                else cfg.rollout.max_new_tokens, cfg.env.on_failure == "drop",

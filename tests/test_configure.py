@@ -49,6 +49,7 @@ REFUSED = {
     "rollout.partial.enabled", "data.path", "data.split", "data.config_name", "data.eval_path",
     "data.eval_split", "data.preset", "data.prompt_key", "data.answer_key",
     "data.prompt_suffix", "data.system_prompt", "data.chat_template", "data.image_key",
+    "data.max_pixels",
     "data.max_prompt_len", "data.tiny_task_dir", "data.tiny_task_arch", "data.tiny_task_chat",
     "reward.funcs", "reward.weights", "reward.timeout_s", "reward.workers",
     "reward.concurrency", "env.name", "env.kind", "env.tool_parser", "env.max_turns",

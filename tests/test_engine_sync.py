@@ -113,8 +113,11 @@ def test_the_push_through_vllm_s_v1_weight_loaders(tiny_models, tiny_vl_hybrid, 
 def test_prompts_with_images_engine_matches_trainer_after_pushes(tiny_vision_task, tp):
     """The tiny vision task's Qwen2.5-VL, the whole model as the actor: after each push the
     engine's logprobs of text after an image equal the trainer's (fp32, 1e-4); a frozen tower is
-    left out of the push (its bytes counted), a trained one is sent and the engine sees it."""
-    out = launch(["tests/workers/vision_parity.py", tiny_vision_task, str(tp)])
+    left out of the push (its bytes counted), a trained one is sent and the engine sees it. The
+    engine takes rollout.engine_media's bounds; at TP 2 with data.max_pixels below the images'
+    size, which both processors must apply alike (the engine's expanded ids are checked)."""
+    pixels = ["1568"] if tp == 2 else []  # 56 x 56 images: 4 merged patches each, then 1
+    out = launch(["tests/workers/vision_parity.py", tiny_vision_task, str(tp), *pixels])
     assert out.count("VISION_PARITY_OK") == 2, out[-3000:]
     print("\n".join(line for line in out.splitlines() if "VISION gap" in line))
 

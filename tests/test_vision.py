@@ -382,9 +382,15 @@ def test_what_images_cannot_do_yet_is_refused_before_load(tiny_vision_task, tiny
                          ([f"--model.path={tiny_task_dir}/model"], "not a vision-language"),
                          (["--model.sp_size=2"], "with model.sp_size"),
                          (["--model.lora.rank=8"], "model.lora.rank"),
-                         (["--env.name=calculator"], "with env.name")):
+                         (["--env.name=calculator"], "with env.name"),
+                         ([f"--model.path={tiny_task_dir}/model", "--data.image_key=",
+                           "--data.max_pixels=1568"],
+                          r"^config: data.max_pixels=1568 bounds the images of data.image_key, "
+                          r"which is empty. Fix: data.max_pixels=0")):
         with pytest.raises(config.BadInput, match=match):
             config.check_model(resolve(load_config("configs/vlm_cpu.yaml", base + extra)))
+    config.check_model(resolve(load_config("configs/vlm_cpu.yaml",
+                                           base + ["--data.max_pixels=1568"])))
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -486,3 +492,21 @@ def test_the_qwen2_5_vl_7b_configs_arithmetic(tmp_path, monkeypatch):
     run = load_config("configs/qwen2.5-vl-7b-geo3k-npu8.yaml", [f"--model.path={tmp_path}"])
     validate(run, world_size=8)
     assert run.data.preset == "geo3k" and not run.model.train_vision
+    merged = (cfg.vision_config.patch_size * cfg.vision_config.spatial_merge_size) ** 2
+    assert run.data.max_prompt_len - run.data.max_pixels // merged == 384  # left for the text
+
+
+def test_the_engine_is_told_the_most_images_a_prompt_has():
+    """data.most_images: the engine's image limit (rollout.engine_media), the largest count of
+    any prompt whatever form its cell takes, and 1 for rows with none."""
+    import data
+    import rollout
+
+    cfg = data.DataConfig(image_key="images", chat_template=True)
+    rows = [{"images": None}, {"images": "a.png"}, {"images": ["a.png", "b.png", "c.png"]},
+            {"images": ("a.png", "b.png")}]
+    assert data.most_images(cfg, rows) == 3 and data.most_images(cfg, rows[:2]) == 1
+    assert data.most_images(cfg, []) == 1
+    # data.max_pixels=0 leaves the engine's processor at the checkpoint's bound, as the trainer's
+    assert "mm_processor_kwargs" not in rollout.engine_media(1, 0)
+    assert rollout.engine_media(3, 1568)["limit_mm_per_prompt"] == {"image": 3, "video": 0}

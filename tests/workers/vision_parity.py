@@ -13,15 +13,18 @@ Rounds:
   2: the tower trains (noise on it): the push is every weight's bytes, the engine's logprobs
      equal the trainer's again. The same images as before: an engine that kept its cached
      features of them (vLLM's encoder cache) would still answer with the old tower.
+With MAX_PIXELS (data.max_pixels) the trainer's processor and the engine take that bound
+(data.load_processor, rollout.engine_media): the task's 56 x 56 images shrink to one merged
+patch on both sides, or the engine's expanded ids differ from the trainer's; the engine's
+multimodal settings are checked to be engine_media's (no processor cache, no video).
 Prints the gaps (VISION gap lines) and VISION_PARITY_OK.
-Usage: torchrun --nproc_per_node 2 tests/workers/vision_parity.py TASK_DIR TP
+Usage: torchrun --nproc_per_node 2 tests/workers/vision_parity.py TASK_DIR TP [MAX_PIXELS]
 """
 
 import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoProcessor
 
 import data
 import engines
@@ -32,19 +35,27 @@ import rollout
 import weight_sync
 from records import Sample
 
-task = sys.argv[1]
+task, max_pixels = sys.argv[1], int(sys.argv[3]) if len(sys.argv) > 3 else 0
 sys.argv[1] = f"{task}/model"
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8)
-engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
+engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp,
+                        media=rollout.engine_media(1, max_pixels))
+mm = engine.llm.llm_engine.vllm_config.model_config.multimodal_config
+assert (mm.mm_processor_cache_gb, mm.get_limit_per_prompt("image"),
+        mm.get_limit_per_prompt("video")) == (0, 1, 0), mm
+assert (mm.mm_processor_kwargs or {}).get("max_pixels") == (max_pixels or None), mm
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                init_device_mesh("cpu", (world,)), images=True)
 opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=3e-2)
 
-processor = AutoProcessor.from_pretrained(model_dir)
-examples = data.load_examples(data.DataConfig(path=f"{task}/train.jsonl", image_key="images",
-                                              chat_template=True), tok, processor=processor)[:6]
+data_cfg = data.DataConfig(path=f"{task}/train.jsonl", image_key="images", chat_template=True,
+                           max_pixels=max_pixels)
+processor = data.load_processor(data_cfg, model_dir)
+examples = data.load_examples(data_cfg, tok, processor=processor)[:6]
 media = [vision.media(processor, ex, "images") for ex in examples]
+merged = 1 if max_pixels and max_pixels < 56 * 56 else 4  # merged patches an image
+assert all(int(m.vision.grid_thw.prod(-1).sum()) == 4 * merged for m in media), media[0].vision
 tails = [tok(t, add_special_tokens=False)["input_ids"] for t in
          ["red", "blue<eos>", "greenred", "r", "bluegreen<eos>", "eee"]]
 samples = [Sample(ex["prompt_ids"], tail, [0.0] * len(tail), False, vision=m.vision)
