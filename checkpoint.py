@@ -33,7 +33,7 @@ TRAINED = StateDictOptions(ignore_frozen_params=True)  # a checkpoint's: what tr
 
 def trained_state(model: torch.nn.Module) -> dict:
     """The model's state dict of what trains: every weight, or on a frozen base (LoRA) the
-    adapters alone. (torch's ignore_frozen_params keeps a tied output layer, which the state
+    adapters alone (and the final norm, model.lora.train_final_norm). (torch's ignore_frozen_params keeps a tied output layer, which the state
     dict lists apart from the frozen embedding it shares: a vocabulary-sized matrix.)"""
     sd = get_model_state_dict(model, options=TRAINED)
     if all(p.requires_grad for p in model.parameters()):
@@ -62,8 +62,12 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
             model.generation_config = GenerationConfig.from_pretrained(source)
         if lora is not None and lora.rank:
             sd, layers = merged(sd, lora.alpha / lora.rank)
+            # what trains whole beside the adapters (fsdp_utils.trained_in_full: the final norm)
+            whole = {stored_name(model, k): sd[k] for k, p in model.named_parameters()
+                     if p.requires_grad and ".lora_" not in k}
             save_adapter(os.path.join(tmp, "adapter"),  # named as the base checkpoint names them
-                         {stored_name(model, k): v for k, v in layers.items()}, lora, source)
+                         {stored_name(model, k): v for k, v in layers.items()}, lora, source,
+                         whole)
         if getattr(model, "checkpoint_path", None):  # a vision-language checkpoint
             save_beside_source(model, sd, model.checkpoint_path, tmp)
         else:
@@ -281,19 +285,27 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     return saved
 
 
-def save_adapter(path: str, layers: dict, lora, base: str | None = None) -> None:
+def save_adapter(path: str, layers: dict, lora, base: str | None = None,
+                 whole: dict | None = None) -> None:
     """An adapter in peft's format (adapter_config.json, adapter_model.safetensors), which
     peft.PeftModel.from_pretrained and vLLM's LoRARequest read: `layers` {HF name of an adapted
     layer: (lora_A, lora_B)}, `lora` its rank, alpha and dropout (fsdp_utils.LoraConfig),
-    `base` the base model's path or hub id, if known."""
+    `base` the base model's path or hub id, if known. `whole` {HF name of a weight: tensor}: what
+    trained in full beside the adapters (the final norm, model.lora.train_final_norm), as peft
+    keeps a module of its modules_to_save (peft 0.21: `base_model.model.<name>`): the export
+    only, as vLLM 0.23 refuses an adapter with such modules and 0.32 takes one output layer."""
     from safetensors.torch import save_file
 
+    whole = whole or {}
     os.makedirs(path, exist_ok=True)
-    save_file({f"base_model.model.{name}.lora_{k}.weight": t.detach().cpu().contiguous()
-               for name, pair in layers.items() for k, t in zip("AB", pair)},
+    save_file({**{f"base_model.model.{name}.lora_{k}.weight": t.detach().cpu().contiguous()
+                  for name, pair in layers.items() for k, t in zip("AB", pair)},
+               **{f"base_model.model.{name}": t.detach().cpu().contiguous()
+                  for name, t in whole.items()}},
               os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
                    "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
                    "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layers}),
+                   "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in whole}) or None,
                    "base_model_name_or_path": base}, f)

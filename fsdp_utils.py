@@ -50,12 +50,25 @@ class LoraConfig:
     # the decoder's linear layers that get adapters (a hybrid's Gated DeltaNet ones where named)
     target_modules: Annotated[list[str], Items(OneOf(*LORA_MODULES, *LORA_MODULES_LINEAR))] = \
         field(default_factory=lambda: list(LORA_MODULES))
+    # the final norm (before the output layer) trains in full beside the adapters, and each push
+    #   writes it into the engine's base (vLLM's LoRA covers no norm): with a frozen norm and
+    #   output layer the adapters cannot scale the logits (docs/lora.md says when that binds)
+    train_final_norm: Annotated[bool, FLAG] = False
 
     def check(self, cfg, world_size: int) -> None:
-        """config.validate's call: adapters name the layers they go on."""
+        """config.validate's call: adapters name the layers they go on; a final norm that
+        trains beside adapters, with adapters and without a reference (the base is the
+        reference with adapters, and this norm would no longer be the base's)."""
         need(not self.rank or self.target_modules, "model.lora.target_modules is empty with "
              "model.lora.rank > 0. Fix: name the layers that get adapters, e.g. "
              f"[{', '.join(LORA_MODULES)}]")
+        need(not self.train_final_norm or self.rank, "model.lora.train_final_norm=true without "
+             "adapters (model.lora.rank=0): every weight trains already. Fix: "
+             "model.lora.train_final_norm=false, or model.lora.rank > 0")
+        need(not self.train_final_norm or cfg.grpo.kl_coef == 0, "model.lora.train_final_norm="
+             f"true with grpo.kl_coef={cfg.grpo.kl_coef}: the reference is the actor with its "
+             "adapters off, and its final norm would be the trained one, not the base's. Fix: "
+             "grpo.kl_coef=0, or model.lora.train_final_norm=false")
 
 
 @dataclass
@@ -361,6 +374,7 @@ class Family:
     layers: str = "model.layers"
     embedding: str = "model.embed_tokens.weight"
     output: str = "lm_head.weight"
+    norm: str = "model.norm.weight"  # the final norm, before the output layer
     fused_kernels: bool = False  # kernels.patch_qwen applies
 
 
@@ -371,7 +385,8 @@ FAMILIES = {
     "qwen3_5_text": Family(),  # Qwen3.5's language model: Gated DeltaNet packed by hybrid.py
     # vision-language models whole (prompts with images: build_actor(images=True))
     **{kind: Family(layers="model.language_model.layers",
-                    embedding="model.language_model.embed_tokens.weight")
+                    embedding="model.language_model.embed_tokens.weight",
+                    norm="model.language_model.norm.weight")
        for kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")},
     "llama": Family(),
     "mistral": Family(),
@@ -515,8 +530,9 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
     it was, its config, body and output layer where they were): each target linear layer wraps
     its frozen base (`...q_proj.base_layer.weight`) beside lora_A (rank x in) and lora_B (out x
     rank, zero at first), its output the base's plus alpha / rank x B(A(dropout(x))). Every other
-    weight is frozen too. The adapters are fp32, the optimizer's master copy; the base keeps
-    the model's dtype (the compute dtype: nothing updates it)."""
+    weight is frozen too, but the final norm with cfg.train_final_norm. The adapters (and that
+    norm) are fp32, the optimizer's master copy; the base keeps the model's dtype (the compute
+    dtype: nothing updates it)."""
     import peft
 
     peft.inject_adapter_in_model(peft.LoraConfig(
@@ -525,6 +541,18 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
     for _, module in adapters(model):
         module.lora_A.float()
         module.lora_B.float()
+    if cfg.train_final_norm:
+        norm = model.get_submodule(family(model.config.model_type).norm.rsplit(".", 1)[0])
+        norm.float().requires_grad_(True)
+
+
+def trained_in_full(model: torch.nn.Module) -> list:
+    """[(Hugging Face name, parameter)] of what trains whole beside adapters (the final norm,
+    model.lora.train_final_norm); [] without adapters, where everything does."""
+    if not adapters(model):
+        return []
+    return [(hf_name(name), p) for name, p in model.named_parameters()
+            if p.requires_grad and ".lora_" not in name]
 
 
 def adapters(model: torch.nn.Module) -> list:

@@ -302,8 +302,7 @@ class Engine:
                  lora=None, routing: bool = False, media: dict | None = None):
         """lora: the actor's adapters (fsdp_utils.LoraConfig, rank > 0: LoRA on, one adapter
         slot, every request with the actor's adapter, which load_adapter writes), or None.
-        routing: each sample carries the engine's experts (model.routing_replay).
-        media: prompts with images, the engine's multimodal bounds (engine_media)."""
+        routing: each sample with its experts (model.routing_replay). media: engine_media."""
         self.cfg, self.lora = cfg, lora if lora is not None and lora.rank else None
         self.can_sleep = npu_ops.engine_supports_sleep()
         if not self.can_sleep:
@@ -320,8 +319,7 @@ class Engine:
         # torch's allocator counts the engine's weights and KV cache for its whole life, asleep
         # too (vLLM 0.26, 0.32 device_allocator/cumem.py): the loop takes them out of its peak.
         # CPU: the peak is the process's resident memory, where the engine is as real.
-        self.allocated_gb = (npu_ops.memory_gb()["allocated"] - allocated if self.can_sleep
-                             else 0.0)
+        self.allocated_gb = npu_ops.memory_gb()["allocated"] - allocated if self.can_sleep else 0.0
         self.weights_awake = self.kv_cache_awake = True
         self.memory = EngineMemory(npu_ops.sleep_rebuilds(cfg.sleep_extra_cleanup))
         self.ignore_eos = False  # benchmarks only (bench/step.py): every response max_new_tokens
@@ -469,15 +467,17 @@ class Engine:
         """Whether a weight a push leaves out keeps its value (_keeps_unsent)."""
         return _keeps_unsent(self.cfg, self.can_sleep, self.lora)
 
-    def load_adapter(self, layers: dict) -> bool:
-        """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear
-        layer: (lora_A (rank, in), lora_B (out, rank))}, whole tensors in the engine's dtype, in
-        place into its slot (`_write_adapter`), then drop the prefix cache: its keys carry the
-        adapter's name, not its weights (docs/engine.md, "LoRA"). False where there is no slot
-        (the first time, or vLLM let it go): weight_sync.load then calls add_adapter."""
+    def load_adapter(self, layers: dict, whole: dict | None = None) -> bool:
+        """Write the actor's adapter into the engine: `layers` {HF name of an adapted linear layer:
+        (lora_A (rank, in), lora_B (out, rank))}, whole tensors in the engine's dtype, in place into
+        its slot (`_write_adapter`), then drop the prefix cache: its keys carry the adapter's name,
+        not its weights (docs/engine.md, "LoRA"). False where there is no slot (the first time, or
+        vLLM let it go): weight_sync.load then calls add_adapter. `whole`: what trains whole beside
+        it, into the base (load_in_full)."""
         if not self.weights_awake:
             raise RuntimeError("engine weights are asleep: wake(['weights']) before load_adapter")
         _check_version()
+        load_in_full(self, whole or {})
         scaling = self.lora.alpha / self.lora.rank
         if self.adapter is None or not _all_taken(self.llm.collective_rpc(
                 _write_adapter, args=(layers, self.adapter.lora_int_id, scaling)), len(layers)):
@@ -789,6 +789,41 @@ def _write_adapter(worker, layers: dict, lora_id: int, scaling: float) -> list |
         else:
             module.set_lora(slot, a[0], b[0])
     return sorted(actor[name] for name in set(layers) - taken)
+
+
+def load_in_full(engine: Engine, tensors: dict) -> None:
+    """Write whole tensors {checkpoint name: tensor, in the engine's dtype} of what trains
+    beside the adapter (the final norm: model.lora.train_final_norm) into `engine`'s base, in
+    place (_write_in_full), then drop the prefix cache. Names the engine does not hold are a
+    RuntimeError: the engine would sample from another policy than the trainer's."""
+    if not tensors:
+        return
+    if not engine.weights_awake:
+        raise RuntimeError("engine weights are asleep: wake(['weights']) before load_in_full")
+    missed = set().union(*engine.llm.collective_rpc(_write_in_full, args=(tensors,)))
+    if missed:
+        raise RuntimeError(f"the engine holds no weight named {sorted(missed)} (after its "
+                           "model's name mapping): the push cannot write it")
+    engine.llm.reset_prefix_cache()
+
+
+def _write_in_full(worker, tensors: dict) -> list:
+    """On this rank's worker: each {checkpoint name: whole tensor} through the engine's own
+    weight loader of the parameter its model maps the name to (hf_to_vllm_mapper; vLLM 0.23,
+    0.32 models/utils.py WeightsMapper), which shards it where the engine's tensor parallelism
+    does (a norm is whole on every rank: default_weight_loader). Returns the names not found."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    model = worker.model_runner.get_model()
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    params, missed = dict(model.named_parameters()), []
+    for name, tensor in tensors.items():
+        mapped = mapper.apply([(name, tensor)]) if mapper is not None else [(name, tensor)]
+        found = [(params[n], t) for n, t in mapped if n in params]
+        missed += [] if found else [name]
+        for param, t in found:
+            getattr(param, "weight_loader", default_weight_loader)(param, t)
+    return missed
 
 
 def _all_taken(written: list, sent: int) -> bool:

@@ -24,10 +24,13 @@ actor does not hold, read from the checkpoint's files (`iter_full_params` says w
   bench/weight_sync.py times both (docs/benchmarks.md has what it printed).
 With adapters (model.lora) only they are sent: each adapted layer's lora_A and lora_B, gathered
 whole (all of them in one all-gather: `gather_rows`) into `rollout.Engine.load_adapter`, which
-writes them into the engine's adapter slot in place; the engine's base never changes. Where
+writes them into the engine's adapter slot in place; the engine's base never changes (but a
+final norm that trains beside the adapters, below). Where
 there is no slot to write (the first push, or vLLM let it go), the adapter is written in peft's
 format (`checkpoint.save_adapter`, as the export writes it) into the engine's directory for it,
-which `rollout.Engine.add_adapter` registers.
+which `rollout.Engine.add_adapter` registers. What trains whole beside the adapters (the final
+norm, model.lora.train_final_norm) goes into the engine's base in place, whole
+(`rollout.Engine.load_adapter`, `rollout.load_in_full`): vLLM's LoRA takes no norm.
 
 `EngineTurn` is the engine's turn around the push: the memory moves, the wakes, and the sleep.
 """
@@ -138,6 +141,16 @@ def full_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> di
             for i, (name, _) in enumerate(layers)}
 
 
+def full_beside_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> dict:
+    """{checkpoint name: whole tensor in `dtype`} of what trains whole beside the adapters (the
+    final norm, model.lora.train_final_norm; fsdp_utils.trained_in_full), in one all-gather
+    (every rank must call); {} where nothing does."""
+    whole = fsdp_utils.trained_in_full(model)
+    tensors = gather_rows([p.detach() for _, p in whole], dtype)
+    stats["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+    return {checkpoint.stored_name(model, name): t for (name, _), t in zip(whole, tensors)}
+
+
 @torch.no_grad()
 def gather_rows(tensors: list, dtype: torch.dtype) -> list:
     """Whole copies in `dtype` of `tensors`, FSDP2 parameters sharded by rows over one mesh
@@ -180,7 +193,8 @@ def load(model: torch.nn.Module, engine) -> int:
     stats, dtype = {"bytes": 0}, getattr(torch, engine.cfg.dtype)
     if engine.lora is not None:
         layers = full_adapters(model, dtype, stats)
-        if not engine.load_adapter(layers):  # no slot to write in place: register the files
+        if not engine.load_adapter(layers, full_beside_adapters(model, dtype, stats)):
+            # no slot to write in place: register the files
             checkpoint.save_adapter(engine.adapter_dir, layers, engine.lora)
             engine.add_adapter()
     else:

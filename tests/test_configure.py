@@ -39,6 +39,7 @@ REFUSED = {
     "model.path", "model.param_dtype", "model.reduce_dtype", "model.reshard_after_forward",
     "model.gradient_checkpointing", "model.attn_implementation", "model.fused_kernels",
     "model.offload", "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
+    "model.lora.train_final_norm",
     "model.lora.target_modules", "model.routing_replay", "model.train_vision", "model.sp_size",
     "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio", "rollout.tp_size",
     "rollout.dtype", "rollout.max_model_len", "rollout.max_num_seqs",

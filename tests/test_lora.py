@@ -15,9 +15,10 @@ from test_packing import world_of_one  # noqa: F401 (fixture)
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
-def actor(model_dir, rank=8, targets=None, seed=0):
+def actor(model_dir, rank=8, targets=None, seed=0, final_norm=False):
     cfg = fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32")
     cfg.lora.rank, cfg.lora.alpha = rank, 2.0 * rank
+    cfg.lora.train_final_norm = final_norm
     if targets is not None:
         cfg.lora.target_modules = targets
     torch.manual_seed(seed)
@@ -89,17 +90,26 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(tiny_task_dir):
     assert all(not m._disable_adapters for _, m in fsdp_utils.adapters(model))
 
 
+@pytest.mark.parametrize("final_norm", [False, True], ids=["adapters", "final_norm"])
 def test_the_export_merges_the_adapters_and_writes_them_in_peft_s_format(tiny_task_dir,
-                                                                          tmp_path):
+                                                                          tmp_path, final_norm):
     """checkpoint.save_hf of a trained LoRA actor: the merged model loads in transformers and
     gives the actor's logits; the adapter directory loads with peft onto the base model and
-    gives them too."""
+    gives them too. With model.lora.train_final_norm the norm trained (and only it beside the
+    adapters), and both carry it: the adapter as one of peft's modules_to_save."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, cfg = actor(f"{tiny_task_dir}/model")
+    model, cfg = actor(f"{tiny_task_dir}/model", final_norm=final_norm)
     opt, _ = fsdp_utils.build_optimizer(fsdp_utils.OptimConfig(lr=1e-2), model, 10)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     train_steps(model, opt)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert {n for n in moved if ".lora_" not in n} == ({"model.norm.weight"} if final_norm
+                                                       else set()), moved
+    # a checkpoint (resume) holds it too
+    assert {n for n in checkpoint.trained_state(model) if ".lora_" not in n} == (
+        {"model.norm.weight"} if final_norm else set())
     tok = AutoTokenizer.from_pretrained(f"{tiny_task_dir}/model")
     checkpoint.save_hf(model, tok, str(tmp_path / "final"), source=f"{tiny_task_dir}/model",
                        lora=cfg.lora)
@@ -164,3 +174,21 @@ def test_targets_the_engine_cannot_take_are_refused_before_anything_loads():
     assert "has down_proj, up_proj on a mixture of experts" in refused(
         "qwen3_5_moe", "q_proj", "up_proj", "down_proj")
     assert "Triton fused-MoE LoRA" in refused("qwen3_5_moe", "q_proj", "in_proj_qkv")
+
+
+def test_a_final_norm_that_trains_needs_adapters_and_no_reference(tiny_task_dir):
+    """model.lora.train_final_norm, one line each before anything loads: without adapters
+    (everything trains then), and with grpo.kl_coef > 0 (the reference is the actor with its
+    adapters off, whose final norm would be the trained one)."""
+    from config import BadInput, validate
+    from train_grpo import load_config
+
+    lora = ["--data.tiny_task_dir=", f"--model.path={tiny_task_dir}/model",
+            "--model.lora.rank=8", "--model.lora.train_final_norm=true"]
+    validate(load_config("configs/lora_cpu.yaml", lora), world_size=1)
+    for extra, match in ((["--model.lora.rank=0"], "without adapters .* Fix: "
+                          "model.lora.train_final_norm=false, or model.lora.rank > 0"),
+                         (["--grpo.kl_coef=0.01"], "with grpo.kl_coef=0.01: the reference is "
+                          "the actor with its adapters off.* Fix: grpo.kl_coef=0")):
+        with pytest.raises(BadInput, match=r"^config: model.lora.train_final_norm=true " + match):
+            validate(load_config("configs/lora_cpu.yaml", lora + extra), world_size=1)

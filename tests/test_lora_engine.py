@@ -16,7 +16,9 @@ pytestmark = pytest.mark.engine
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_the_engine_samples_from_the_trainer_s_adapters_after_each_push(tiny_task_dir, tp):
-    out = launch(["tests/workers/lora_parity.py", f"{tiny_task_dir}/model", str(tp)])
+    """At TP 2 the final norm trains too (model.lora.train_final_norm) and is pushed whole."""
+    norm = ["--final-norm"] if tp == 2 else []
+    out = launch(["tests/workers/lora_parity.py", f"{tiny_task_dir}/model", str(tp), *norm])
     assert out.count("LORA_PARITY_OK") == 2, out[-3000:]
     assert out.count(" push 2: ") == 2
 
@@ -32,12 +34,14 @@ def test_the_engine_samples_from_a_qwen3_s_adapters(tiny_models):
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_adapters_on_a_hybrid_in_a_bf16_engine(tiny_hybrid, tp):
     """Qwen3.5: adapters on its full-attention and MLP projections (the Gated DeltaNet layers'
-    keep their weights), in a bf16 engine (its Gated DeltaNet takes nothing else on CPU)."""
+    keep their weights), in a bf16 engine (its Gated DeltaNet takes nothing else on CPU); at TP
+    2 its final norm trains too, a zero-centred one (x (1 + w), in vLLM and transformers)."""
     import rollout
 
     if rollout.engine_lacks(["Qwen3_5ForCausalLM"]):
         pytest.skip("this vLLM has no text-only Qwen3.5 (refused: tests/test_engine_sync.py)")
-    out = launch(["tests/workers/lora_parity.py", tiny_hybrid, str(tp), "--bf16"])
+    norm = ["--final-norm"] if tp == 2 else []
+    out = launch(["tests/workers/lora_parity.py", tiny_hybrid, str(tp), "--bf16", *norm])
     assert out.count("LORA_PARITY_OK") == 2, out[-3000:]
     assert out.count(" push 2: ") == 2
     print("\n".join(line for line in out.splitlines() if " push " in line))

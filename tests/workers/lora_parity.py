@@ -19,8 +19,12 @@ this model fail inside its LoRA logits layer (an einsum of the prompt's tokens a
 a request).
 --greedy-probe: that probe in fp32 too (the tiny Qwen3, whose prompt logprobs fail the same way
 with LoRA on, even before any adapter).
+--final-norm: the final norm trains beside the adapters (model.lora.train_final_norm): noise on
+it too, and each push writes it whole into the engine's base (its bytes counted), where it then
+equals the trainer's exactly (read back from the engine: the bf16 bound alone is too loose to
+tell a norm that was not written).
 Usage: torchrun --nproc_per_node 2 tests/workers/lora_parity.py MODEL_DIR TP [--bf16]
-[--greedy-probe]
+[--greedy-probe] [--final-norm]
 """
 
 import sys
@@ -41,6 +45,7 @@ from tests.reference import token_logprobs
 
 BF16 = "--bf16" in sys.argv
 GREEDY_PROBE = "--greedy-probe" in sys.argv
+FINAL_NORM = "--final-norm" in sys.argv
 model_dir, tp, rank, world, tok, cfg = engines.start(
     max_num_seqs=32, max_new_tokens=8, block_size=32, dtype="bfloat16" if BF16 else "float32")
 import vllm  # noqa: E402  (after engines.start: the platform's environment first)
@@ -59,14 +64,25 @@ model_cfg.lora = fsdp_utils.LoraConfig(rank=8, alpha=16.0, target_modules=[
     # packs in_proj_qkv (three slices) with in_proj_z, and in_proj_b with in_proj_a
     + (["in_proj_qkv", "in_proj_b", "out_proj"] if BF16 else [])
     # vLLM 0.23 takes in_proj_qkv and in_proj_z together only (rollout.check_packed_adapters)
-    + (["in_proj_z"] if BF16 and vllm.__version__.startswith("0.23") else []))
+    + (["in_proj_z"] if BF16 and vllm.__version__.startswith("0.23") else []),
+    train_final_norm=FINAL_NORM)
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp, lora=model_cfg.lora)
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(model_cfg, init_device_mesh("cpu", (world,)))
 opt, _ = fsdp_utils.build_optimizer(fsdp_utils.OptimConfig(lr=3e-2), actor, 10)
 adapter_bytes = sum(p.numel() * (2 if BF16 else 4) for n, p in actor.named_parameters()
-                    if ".lora_" in n)
+                    if p.requires_grad)  # the adapters, and the final norm with --final-norm
+assert FINAL_NORM == any(p.requires_grad for n, p in actor.named_parameters()
+                         if ".lora_" not in n)
 MEAN_BOUND, MAX_BOUND = engines.bf16_bounds(actor.config) if BF16 else (float("inf"), 1e-4)
+
+
+def engine_weight(worker, name: str) -> torch.Tensor:
+    """The engine's parameter that checkpoint name `name` maps to (as rollout._write_in_full)."""
+    model = worker.model_runner.get_model()
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    (mapped, _), = mapper.apply([(name, None)]) if mapper is not None else [(name, None)]
+    return dict(model.named_parameters())[mapped].detach().clone()
 
 
 def probe_engine() -> torch.Tensor:
@@ -86,7 +102,7 @@ previous = base = probe_engine()  # before any push: the engine's base model, no
 for round_ in range(3):
     with torch.no_grad():  # the adapters moved: noise on each rank's shard of them, and B off 0
         for name, p in actor.named_parameters():
-            if ".lora_" in name:
+            if p.requires_grad:
                 p.to_local().add_(torch.randn_like(p.to_local()) * 0.2)
     if round_:  # and a real optimizer step on rank-specific targets
         target = torch.tensor([tok(f"{rank}+{round_}={rank + round_}")["input_ids"]])
@@ -96,7 +112,7 @@ for round_ in range(3):
     if BF16:
         with torch.no_grad():
             for name, p in actor.named_parameters():
-                if ".lora_" in name:
+                if p.requires_grad:
                     p.to_local().copy_(p.to_local().bfloat16().float())
     t0 = time.perf_counter()
     engine.wake(["weights"])
@@ -117,6 +133,10 @@ for round_ in range(3):
           f"|engine - trainer| logprob mean {mean:.2e} max {worst:.2e} over {gaps.numel()} "
           "sampled tokens", flush=True)
     assert mean < MEAN_BOUND and worst < MAX_BOUND, (mean, worst)
+    for name, p in fsdp_utils.trained_in_full(actor):  # (--final-norm) written whole
+        want = p.detach().full_tensor().to(torch.bfloat16 if BF16 else torch.float32)
+        got, = engine.llm.collective_rpc(engine_weight, args=(checkpoint.stored_name(actor, name),))
+        assert torch.equal(got, want), (name, (got.float() - want.float()).abs().max())
     probe = probe_engine()  # the adapter moved the engine: from the base, and since the last push
     assert (probe - base).abs().max() > 1e-3, "the engine samples from its base after the push"
     assert (probe - previous).abs().max() > 1e-3, "the engine did not change after the push"
