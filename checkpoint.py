@@ -33,8 +33,9 @@ TRAINED = StateDictOptions(ignore_frozen_params=True)  # a checkpoint's: what tr
 
 def trained_state(model: torch.nn.Module) -> dict:
     """The model's state dict of what trains: every weight, or on a frozen base (LoRA) the
-    adapters alone (and the final norm, model.lora.train_final_norm). (torch's ignore_frozen_params keeps a tied output layer, which the state
-    dict lists apart from the frozen embedding it shares: a vocabulary-sized matrix.)"""
+    adapters alone (and the final norm, model.lora.train_final_norm). (torch's
+    ignore_frozen_params keeps a tied output layer, which the state dict lists apart from the
+    frozen embedding it shares: a vocabulary-sized matrix.)"""
     sd = get_model_state_dict(model, options=TRAINED)
     if all(p.requires_grad for p in model.parameters()):
         return sd

@@ -3,8 +3,9 @@ train_grpo.Run.snapshot and Run.restore call (a notebook's fork and rewind: vari
 
 What a snapshot holds, per rank, copied:
 - the actor's parameters that train (this rank's shards; with adapters, the adapters alone and
-  a final norm trained beside them: the rest of the base never changes) and the optimizer's state of each (Adam's moments and step), its
-  param groups' settings (the learning rate the schedule set) and the schedule's state;
+  a final norm trained beside them: the rest of the base never changes) and the optimizer's
+  state of each (Adam's moments and step), its param groups' settings (the learning rate the
+  schedule set) and the schedule's state;
 - the step, the config tree, the sampler's data positions and partial rollout's carried groups
   (sampler.Sampler.snapshot), every random generator of the process (checkpoint.rng_state);
 - run.last (a reference: it is not changed by later steps, only replaced).
