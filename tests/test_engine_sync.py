@@ -87,7 +87,8 @@ def pushes_through_v1(out: str) -> bool:
     import re
 
     load = [ast.literal_eval(x) for x in re.findall(r"loader calls at load (\{.*?\})", out)]
-    end = [ast.literal_eval(x) for x in re.findall(r"^loader calls (\{.*?\})", out, re.M)]
+    # (not anchored to a line's start: two ranks' prints may share a line)
+    end = [ast.literal_eval(x) for x in re.findall(r"loader calls (\{.*?\})", out)]
     return (len(load) == len(end) == 2 and all(c["v2"] == 0 for c in load + end)
             and all(e["v1"] > a["v1"] > 0 for a, e in zip(load, end)))
 
