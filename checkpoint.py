@@ -63,9 +63,7 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str, source: str | None 
             model.generation_config = GenerationConfig.from_pretrained(source)
         if lora is not None and lora.rank:
             sd, layers = merged(sd, lora.alpha / lora.rank)
-            # what trains whole beside the adapters (fsdp_utils.trained_in_full: the final norm)
-            whole = {stored_name(model, k): sd[k] for k, p in model.named_parameters()
-                     if p.requires_grad and ".lora_" not in k}
+            whole = {stored_name(model, k): sd[k] for k, _ in trained_in_full(model)}
             save_adapter(os.path.join(tmp, "adapter"),  # named as the base checkpoint names them
                          {stored_name(model, k): v for k, v in layers.items()}, lora, source,
                          whole)
@@ -138,6 +136,15 @@ def language_prefix(path: str, hf_cfg) -> str:
         return "model."
     return "model.language_model." if any(n.startswith("model.language_model.")
                                           for n in files(path)) else "model."
+
+
+def trained_in_full(model: torch.nn.Module) -> list:
+    """[(name, parameter)] of what trains whole beside adapters (the final norm,
+    model.lora.train_final_norm); [] without adapters, where everything does."""
+    named = list(model.named_parameters())
+    if not any(".lora_" in name for name, _ in named):
+        return []
+    return [(name, p) for name, p in named if p.requires_grad and ".lora_" not in name]
 
 
 def stored_name(model: torch.nn.Module, name: str) -> str:

@@ -546,14 +546,6 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
         norm.float().requires_grad_(True)
 
 
-def trained_in_full(model: torch.nn.Module) -> list:
-    """[(Hugging Face name, parameter)] of what trains whole beside adapters (the final norm,
-    model.lora.train_final_norm); [] without adapters, where everything does."""
-    if not adapters(model):
-        return []
-    return [(hf_name(name), p) for name, p in model.named_parameters()
-            if p.requires_grad and ".lora_" not in name]
-
 
 def adapters(model: torch.nn.Module) -> list:
     """[(the adapted layer's Hugging Face name, its peft LoRA layer)], in the model's order;

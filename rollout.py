@@ -311,7 +311,7 @@ class Engine:
         allocated = npu_ops.memory_gb()["allocated"]
         quiet_rotary_reload_warning()
         self.llm = _llm(cfg, model_path, cfg.seed + tp_group_index, self.lora, self.can_sleep,
-                        routing, media or {})
+                        routing, media)
         if (applied := npu_ops.check_engine()) is not None:  # the NZ mode the engine applied
             log.info(applied)
         # vLLM logs every prefix-cache reset at INFO: after start-up only its warnings (debug here)

@@ -143,12 +143,13 @@ def full_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> di
 
 def full_beside_adapters(model: torch.nn.Module, dtype: torch.dtype, stats: dict) -> dict:
     """{checkpoint name: whole tensor in `dtype`} of what trains whole beside the adapters (the
-    final norm, model.lora.train_final_norm; fsdp_utils.trained_in_full), in one all-gather
+    final norm, model.lora.train_final_norm; checkpoint.trained_in_full), in one all-gather
     (every rank must call); {} where nothing does."""
-    whole = fsdp_utils.trained_in_full(model)
+    whole = checkpoint.trained_in_full(model)
     tensors = gather_rows([p.detach() for _, p in whole], dtype)
     stats["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-    return {checkpoint.stored_name(model, name): t for (name, _), t in zip(whole, tensors)}
+    return {checkpoint.stored_name(model, fsdp_utils.hf_name(name)): t
+            for (name, _), t in zip(whole, tensors)}
 
 
 @torch.no_grad()

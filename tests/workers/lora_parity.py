@@ -133,7 +133,7 @@ for round_ in range(3):
           f"|engine - trainer| logprob mean {mean:.2e} max {worst:.2e} over {gaps.numel()} "
           "sampled tokens", flush=True)
     assert mean < MEAN_BOUND and worst < MAX_BOUND, (mean, worst)
-    for name, p in fsdp_utils.trained_in_full(actor):  # (--final-norm) written whole
+    for name, p in checkpoint.trained_in_full(actor):  # (--final-norm) written whole
         want = p.detach().full_tensor().to(torch.bfloat16 if BF16 else torch.float32)
         got, = engine.llm.collective_rpc(engine_weight, args=(checkpoint.stored_name(actor, name),))
         assert torch.equal(got, want), (name, (got.float() - want.float()).abs().max())
