@@ -18,7 +18,7 @@ from typing import Annotated
 
 from modeling import vision
 import plugins
-from config import FLAG, Anything, BadInput, OneOf, Range
+from config import FLAG, Anything, BadInput, OneOf, Range, need
 
 log = logging.getLogger("grpo")
 
@@ -68,6 +68,18 @@ class DataConfig:
     # the tiny tokenizer with chat roles, a chat template and tool-call tokens
     #   (tiny_task.CHAT_TEMPLATE) when tiny_task_dir is created: what an agent's calls need
     tiny_task_chat: Annotated[bool, FLAG] = False
+    # supervised steps when tiny_task_dir is created that teach the tiny model the answer's form,
+    #   not the sums (tiny_task.teach_format: a base for LoRA, configs/qwen35_lora_cpu.yaml);
+    #   0: the random init
+    tiny_task_format_steps: Annotated[int, Range(0)] = 0
+
+    def check(self, cfg, world_size: int) -> None:
+        """The tiny task's settings against each other (config.validate calls it)."""
+        need(not self.tiny_task_format_steps or (
+            self.tiny_task_dir and not self.tiny_task_chat and self.tiny_task_arch != "qwen2_5_vl"),
+             f"data.tiny_task_format_steps={self.tiny_task_format_steps} teaches the plain sum "
+             "task's form: it needs data.tiny_task_dir, without data.tiny_task_chat or "
+             "data.tiny_task_arch=qwen2_5_vl")
 
     def check_model(self, cfg, text: dict) -> None:
         """A chat template in model.path's tokenizer files where chat_template asks for one, and

@@ -289,10 +289,15 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
     template) and the host memory the offload needs; then written next to the checkpoints."""
     import yaml
 
-    if cfg.data.tiny_task_dir:
+    if task := cfg.data.tiny_task_dir:
+        made = dict(arch=cfg.data.tiny_task_arch, chat=cfg.data.tiny_task_chat,
+                    format_steps=cfg.data.tiny_task_format_steps)
+        try:  # every rank, before rank 0 makes it: made with other settings is refused on all
+            tiny_task.check_made(task, made)
+        except ValueError as e:
+            raise config.BadInput(f"config: {e}") from None
         if rank == 0:
-            tiny_task.ensure_tiny_task(cfg.data.tiny_task_dir, arch=cfg.data.tiny_task_arch,
-                                       chat=cfg.data.tiny_task_chat)
+            tiny_task.ensure_tiny_task(task, **made)
         dist.barrier()
     config.validate(cfg, world)
     if cfg.train.resume == "true" and checkpoint.latest_checkpoint(cfg.log.out_dir) is None:

@@ -126,6 +126,10 @@ def test_shipped_config_loads(tiny):
      "rollout.partial.round_tokens=4 never cuts a turn of rollout.max_new_tokens=4"),
     ("--rollout.partial.stale=drop", 1, "rollout.partial.stale='drop'"),
     ("--rollout.partial.oversample=0.5", 1, "rollout.partial.oversample=0.5: must be >= 1"),
+    ("--data.tiny_task_format_steps=5 --data.tiny_task_chat=true", 1,
+     "data.tiny_task_format_steps=5 teaches the plain sum task's form"),
+    ("--data.tiny_task_format_steps=5 --data.tiny_task_arch=qwen2_5_vl", 1,
+     "data.tiny_task_format_steps=5 teaches the plain sum task's form"),
 ])
 def test_derived_constraints(override, world, message, tiny):
     cfg = tiny(*override.split())

@@ -52,6 +52,7 @@ REFUSED = {
     "data.prompt_suffix", "data.system_prompt", "data.chat_template", "data.image_key",
     "data.max_pixels",
     "data.max_prompt_len", "data.tiny_task_dir", "data.tiny_task_arch", "data.tiny_task_chat",
+    "data.tiny_task_format_steps",
     "reward.funcs", "reward.weights", "reward.timeout_s", "reward.workers",
     "reward.concurrency", "env.name", "env.kind", "env.tool_parser", "env.max_turns",
     "env.max_tokens", "env.timeout_s", "env.workers", "env.concurrency", "env.on_failure",

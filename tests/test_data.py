@@ -289,3 +289,40 @@ def test_other_local_path_errors(tmp_path, tok):
         load_examples(DataConfig(path=str(tmp_path / "rows.csv")), tok)
     with pytest.raises(ValueError, match=r"data\.path is empty"):
         load_examples(DataConfig(), tok)
+
+
+def test_the_taught_base_writes_a_digit_and_stops_but_knows_no_sum(tmp_path):
+    """tiny_task.teach_format against what its targets imply: after `c=` the digit c (a
+    one-to-one map it can learn), after `a+b=` a digit drawn at random (no better guess than
+    1/10 for the sum), <eos> after the digit; the random init does none of it (the control);
+    and a task made with other settings is refused, not reused."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks import tiny_task
+
+    def probe(root):
+        tok = AutoTokenizer.from_pretrained(f"{root}/model")
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/model").eval()
+        digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+
+        def next_probs(text):
+            with torch.no_grad():
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                return model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        copied = min(next_probs(f"{c}=")[digits[c]].item() for c in range(10))
+        rows = tiny_task.make_prompts()
+        right = sum(next_probs(r["prompt"])[digits[int(r["answer"])]].item()
+                    for r in rows) / len(rows)
+        stops = min(next_probs(r["prompt"] + r["answer"])[tok.eos_token_id].item() for r in rows)
+        return copied, right, stops
+
+    taught = tiny_task.ensure_tiny_task(str(tmp_path / "taught"), format_steps=150)
+    copied, right, stops = probe(taught)
+    assert copied > 0.9 and stops > 0.9, (copied, stops)
+    assert 0.05 < right < 0.2, right  # 0.1 is the best a model without the sums can do
+    copied, right, stops = probe(tiny_task.ensure_tiny_task(str(tmp_path / "random")))
+    assert copied < 0.5 and stops < 0.5, (copied, stops)
+    with pytest.raises(ValueError, match="made with .*'format_steps': 150.*, not .*"
+                                         "'format_steps': 0"):
+        tiny_task.ensure_tiny_task(taught)
