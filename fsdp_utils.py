@@ -546,7 +546,6 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> None:
         norm.float().requires_grad_(True)
 
 
-
 def adapters(model: torch.nn.Module) -> list:
     """[(the adapted layer's Hugging Face name, its peft LoRA layer)], in the model's order;
     [] for a model without adapters."""

@@ -292,7 +292,10 @@ def prepare(cfg: Config, rank: int, world: int) -> None:
     if task := cfg.data.tiny_task_dir:
         made = dict(arch=cfg.data.tiny_task_arch, chat=cfg.data.tiny_task_chat,
                     format_steps=cfg.data.tiny_task_format_steps)
-        try:  # every rank, before rank 0 makes it: made with other settings is refused on all
+        # every rank, before rank 0 makes it: settings the task cannot take (BadInput), or a
+        #   directory made with others, refused on all
+        cfg.data.check(cfg, world)
+        try:
             tiny_task.check_made(task, made)
         except ValueError as e:
             raise config.BadInput(f"config: {e}") from None

@@ -234,8 +234,10 @@ def teach_format(model, tok, steps: int, seed: int = 0) -> None:
             width = max(len(p) + len(a) for p, a in pairs)
             x = torch.tensor([p + a + [tok.pad_token_id] * (width - len(p) - len(a))
                               for p, a in pairs])
-            scored = torch.tensor([[0] * len(p) + [1] * len(a) + [0] * (width - len(p) - len(a))
-                                   for p, a in pairs])[:, 1:].float()
+            start = torch.tensor([len(p) for p, _ in pairs])[:, None]  # the answer's span
+            end = start + torch.tensor([len(a) for _, a in pairs])[:, None]
+            at = torch.arange(width)
+            scored = ((at >= start) & (at < end))[:, 1:].float()
             logp = torch.log_softmax(model(x).logits[:, :-1].float(), -1)
             logp = logp.gather(-1, x[:, 1:, None])[..., 0]
             loss = -(logp * scored).sum() / scored.sum()
@@ -278,9 +280,7 @@ def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool =
     os.makedirs(tmp, exist_ok=True)
     if arch == "qwen2_5_vl":
         _write_vision_task(tmp, root, seed)
-        with open(os.path.join(tmp, "task.json"), "w") as f:
-            json.dump(made, f)
-        return _finish(tmp, root)
+        return _finish(tmp, root, made)
     rows = make_prompts()
     random.Random(seed).shuffle(rows)
     for name, part in (("train.jsonl", rows), ("test.jsonl", rows)):  # the task is tiny: eval = train
@@ -294,13 +294,14 @@ def ensure_tiny_task(root: str, seed: int = 0, arch: str = "qwen2", chat: bool =
         teach_format(model, tok, format_steps, seed)
     model.save_pretrained(os.path.join(tmp, "model"))
     tok.save_pretrained(os.path.join(tmp, "model"))
+    return _finish(tmp, root, made)
+
+
+def _finish(tmp: str, root: str, made: dict) -> str:
+    """Record the settings the task in `tmp` was `made` with, mark it complete and move it to
+    `root`, unless a concurrent rank did."""
     with open(os.path.join(tmp, "task.json"), "w") as f:
         json.dump(made, f)
-    return _finish(tmp, root)
-
-
-def _finish(tmp: str, root: str) -> str:
-    """Mark the task in `tmp` complete and move it to `root`, unless a concurrent rank did."""
     open(os.path.join(tmp, "READY"), "w").close()
     try:
         os.rename(tmp, root)  # atomic: a concurrent rank either wins or finds `root` already there
