@@ -445,8 +445,9 @@ class Serving:
         self.endpoint.close()
         while not self.calls.empty():
             self.calls.get_nowait().answer(503, over)
-        for job, worker in self.jobs:
+        for job, _ in self.jobs:
             job.join()
+        for _, worker in self.jobs:  # after all: a worker may hold several jobs, one by one
             worker.quiet(False)
         self.seconds = time.perf_counter() - self.t
         if self.errors:
