@@ -22,11 +22,12 @@ With the defaults this GRPO is, precisely:
   ratio is 1, and the gradient is REINFORCE with group-normalised advantages (TIS-weighted).
 Variants, each a few lines selected by the `grpo:` config section (docs/algorithm.md has the table):
 sequence-mean (GRPO) or constant (Dr. GRPO) loss normalisation and no std scaling, the batch's
-std instead of the group's (Lite PPO), each reward function normalised apart (GDPO), asymmetric
-clipping (DAPO), other surrogates (GSPO, CISPO, SAPO), several epochs and mini-batches per
-rollout (PPO), a KL term to a frozen reference (k1/k2/k3, optionally unbiased), token or
-sequence masking or truncation instead of TIS, DeepSeek-V3.2's off-policy sequence mask, dynamic
-sampling (DAPO), and masking or a soft penalty for responses cut at the length limit (DAPO).
+std instead of the group's (Lite PPO), the batch's mean too (REINFORCE++), each reward function
+normalised apart (GDPO), asymmetric clipping (DAPO), other surrogates (GSPO, CISPO, SAPO),
+several epochs and mini-batches per rollout (PPO), a KL term to a frozen reference (k1/k2/k3,
+optionally unbiased), token or sequence masking or truncation instead of TIS, DeepSeek-V3.2's
+off-policy sequence mask, dynamic sampling (DAPO), and masking or a soft penalty for responses
+cut at the length limit (DAPO).
 
 A multi-turn sample (episodes.py) holds the environment's replies inside its response, with
 `mask` 0 there: those tokens get no loss, no importance weight and no KL, count in no token
@@ -59,10 +60,10 @@ SEQ_IS_MODES = ("seq_truncate", "seq_mask", "seq_geo_mask")  # need whole sequen
 class GRPOConfig:
     # between steps (train_grpo.configure): all but the rollout's shape (group_size,
     #   prompts_per_step); kl_coef > 0 only where the run built a reference
-    LIVE = ("adv_eps", "scale_adv_by_std", "adv_std", "reward_agg", "loss_agg", "clip_low",
-            "clip_high", "policy_loss", "dppo_ratio_cap", "dppo_anchor", "dual_clip",
-            "vespo_k_pos",
-            "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "sapo_tau_pos", "sapo_tau_neg",
+    LIVE = ("adv_eps", "scale_adv_by_std", "adv_mean", "adv_std", "reward_agg", "loss_agg",
+            "clip_low", "clip_high", "policy_loss", "dppo_ratio_cap", "dppo_anchor", "dual_clip",
+            "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "sapo_tau_pos",
+            "sapo_tau_neg",
             "entropy_coef", "top_entropy_quantile", "ppo_epochs", "mini_batches", "kl_coef",
             "kl_estimator", "kl_unbiased", "is_correction", "is_cap", "is_cap_low",
             "off_policy_delta", "dynamic_sampling", "max_gen_rounds", "overlong",
@@ -76,6 +77,12 @@ class GRPOConfig:
     # the std that divides r - mean: its group's (GRPO), or the batch's, every sample of the
     #   step over all engine groups (Lite PPO, arXiv 2508.08221; TRL scale_rewards=batch)
     adv_std: Annotated[str, OneOf("group", "batch")] = "group"
+    # the mean that r is taken from: its group's (GRPO), or the batch's, every valid sample of
+    #   the step over all engine groups (REINFORCE++, arXiv 2501.03262; verl's
+    #   reinforce_plus_plus): a group whose samples are all wrong then still pushes its answers
+    #   down (and one all right pushes them up), where its group's mean gives it 0. With
+    #   adv_std=batch, or scale_adv_by_std=false
+    adv_mean: Annotated[str, OneOf("group", "batch")] = "group"
     # several reward.funcs: sum, the advantage of their weighted sum; gdpo, each function's
     #   own group advantage, weighted and summed, then normalised over the batch (GDPO, arXiv
     #   2601.05242; TRL multi_objective_aggregation=normalize_then_sum)
@@ -256,10 +263,20 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.adv_std == "batch" and not cfg.scale_adv_by_std:
         raise ValueError("grpo.adv_std=batch with grpo.scale_adv_by_std=false: no std divides "
                          "the advantage. Fix: drop one of them")
-    if cfg.reward_agg == "gdpo" and (cfg.adv_std, cfg.scale_adv_by_std) != ("group", True):
+    if cfg.adv_mean == "batch" and cfg.adv_std == "group" and cfg.scale_adv_by_std:
+        raise ValueError("grpo.adv_mean=batch with grpo.adv_std=group: a group whose rewards are "
+                         "all equal has std 0, and its advantages would be divided by "
+                         "grpo.adv_eps alone. Fix: grpo.adv_std=batch (REINFORCE++), or "
+                         "grpo.scale_adv_by_std=false")
+    if cfg.adv_mean == "batch" and cfg.dynamic_sampling:
+        raise ValueError("grpo.adv_mean=batch with grpo.dynamic_sampling=true: dynamic sampling "
+                         "drops the groups whose rewards are all equal, the ones the batch's "
+                         "mean gives a signal to. Fix: one of them")
+    if cfg.reward_agg == "gdpo" and (cfg.adv_mean, cfg.adv_std, cfg.scale_adv_by_std) != (
+            "group", "group", True):
         raise ValueError("grpo.reward_agg=gdpo divides each function's advantage by its group's "
-                         "std, then the sum by the batch's: it ignores grpo.adv_std and grpo."
-                         "scale_adv_by_std. Fix: leave them out")
+                         "std, then the sum by the batch's: it ignores grpo.adv_mean, grpo.adv_std "
+                         "and grpo.scale_adv_by_std. Fix: leave them out")
     if cfg.reward_agg == "gdpo" and cfg.overlong == "penalty":
         raise ValueError("grpo.reward_agg=gdpo with grpo.overlong=penalty: the penalty adds to "
                          "the weighted sum, which GDPO does not normalise. Fix: grpo.overlong="
@@ -333,13 +350,22 @@ def advantages(columns: torch.Tensor, weights: list, valid: torch.Tensor, cfg: G
     that divided them (None: the groups' own did). sum (K = 1): group_advantages, or with
     grpo.adv_std=batch, r - its group's mean over the batch's std (Lite PPO). gdpo: each
     function's group advantage, weighted by `weights` and summed, then that sum normalised over
-    the batch (GDPO). Constant groups (every function constant) and invalid samples get 0."""
+    the batch (GDPO). Constant groups (every function constant) and invalid samples get 0; with
+    grpo.adv_mean=batch, r - the batch's mean (over its std: REINFORCE++), 0 only for invalid
+    samples and a batch whose rewards are all equal."""
     G, eps, std = cfg.group_size, cfg.adv_eps, None
     if cfg.reward_agg == "gdpo":
         x = sum(w * group_advantages(c.contiguous(), G, eps, True, valid)
                 for w, c in zip(weights, columns.T))
         mean, std = batch_moments(x, valid, over_engines)
         adv = (x - mean) / (std + eps)
+    elif cfg.adv_mean == "batch":
+        r = columns[:, 0]
+        mean, sd = batch_moments(r, valid, over_engines)
+        # every valid reward equal: the mean's rounding is all that r - mean would hold
+        signal = valid & (sd > 1e-12 * (1 + abs(mean)))
+        adv = (r - mean) / (sd + eps) if cfg.scale_adv_by_std else r - mean
+        return adv.masked_fill(~signal, 0.0), sd if cfg.scale_adv_by_std else None
     else:
         r, by_group = columns[:, 0], cfg.adv_std == "group"
         adv = group_advantages(r, G, eps, cfg.scale_adv_by_std and by_group, valid)

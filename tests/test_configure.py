@@ -20,7 +20,7 @@ APPLIED = {
     "optim.max_nonfinite", "rollout.temperature", "rollout.top_p", "rollout.seed",
     "rollout.seed_per_step", "rollout.partial.round_tokens", "rollout.partial.oversample",
     "rollout.partial.stale", "rollout.partial.max_staleness", "grpo.adv_eps",
-    "grpo.scale_adv_by_std", "grpo.adv_std", "grpo.reward_agg", "grpo.loss_agg",
+    "grpo.scale_adv_by_std", "grpo.adv_mean", "grpo.adv_std", "grpo.reward_agg", "grpo.loss_agg",
     "grpo.clip_low", "grpo.clip_high", "grpo.policy_loss", "grpo.dppo_ratio_cap", "grpo.dppo_anchor",
     "grpo.dual_clip", "grpo.vespo_k_pos", "grpo.vespo_lambda_pos", "grpo.vespo_k_neg",
     "grpo.vespo_lambda_neg", "grpo.sapo_tau_pos", "grpo.sapo_tau_neg", "grpo.entropy_coef",

@@ -1,7 +1,8 @@
 """How rewards become advantages beyond the group's own statistics: grpo.adv_std=batch (Lite
-PPO's batch std) and grpo.reward_agg=gdpo (GDPO's per-function normalisation), against naive
-per-sample loops in Python floats, hand-computed cases, and the batch taken over two engine
-groups through a real all-reduce (tests/workers/batch_norm.py on 2 gloo ranks).
+PPO's batch std), grpo.adv_mean=batch (REINFORCE++: the batch's mean too) and
+grpo.reward_agg=gdpo (GDPO's per-function normalisation), against naive per-sample loops in
+Python floats, hand-computed cases, and the batch taken over two engine groups through a real
+all-reduce (tests/workers/batch_norm.py on 2 gloo ranks).
 
 These options change the advantages only: the update gets them as numbers, so the fused pass
 sees nothing new (its equality with the unfused computation for any advantages is in
@@ -52,6 +53,16 @@ def naive_batch(engines, G, eps):
                     adv[i] = (rewards[i] - mean(vals)) / (sd + eps)
         out.append(adv)
     return out
+
+
+def naive_reinforce_pp(engines, eps, scale=True):
+    """REINFORCE++: r - the mean of every valid reward of every engine group, over their std +
+    eps (or not divided); 0 for invalid samples only: a group whose rewards are all equal keeps
+    its r - mean. engines: [(rewards, valid)], one per engine group."""
+    pooled = [r for rewards, valid in engines for r, v in zip(rewards, valid) if v]
+    m, sd = mean(pooled), stdev(pooled)
+    return [[((r - m) / (sd + eps) if scale else r - m) if v else 0.0
+             for r, v in zip(rewards, valid)] for rewards, valid in engines]
 
 
 def naive_gdpo(engines, weights, G, eps):
@@ -113,6 +124,40 @@ def test_batch_std_equals_the_naive_loop(seed):
     want = naive_batch([(r, valid)], 4, cfg.adv_eps)[0]
     assert max(abs(a - b) for a, b in zip(adv.tolist(), want)) < TOL
     assert abs(std - stdev([x for x, v in zip(r, valid) if v])) < TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("scale", [True, False])
+def test_batch_mean_equals_the_naive_loop(seed, scale):
+    """grpo.adv_mean=batch: the group of four 2.0s (make_case's constant group) gets a signal,
+    of the sign of 2 - the batch's mean."""
+    by_name, valid = make_case(seed, groups=5)
+    cfg = GRPOConfig(group_size=4, adv_mean="batch", adv_std="batch", scale_adv_by_std=scale)
+    adv, std = grpo.advantages(columns(by_name, WEIGHTS, "sum"), WEIGHTS, torch.tensor(valid), cfg)
+    r = total(by_name, WEIGHTS)
+    want = naive_reinforce_pp([(r, valid)], cfg.adv_eps, scale)[0]
+    assert max(abs(a - b) for a, b in zip(adv.tolist(), want)) < TOL
+    first = [a for a, v in zip(adv[:4].tolist(), valid) if v]
+    assert first and min(first) > 0  # 2.0 is the largest reward
+    assert (std is None) == (not scale)
+
+
+def test_batch_mean_hand_computed():
+    """G = 2, eps 0, rewards 1, 0 | 0, 0: the batch's mean is 0.25, the squared deviations
+    0.5625 + 3 x 0.0625 = 0.75, the unbiased std sqrt(0.75 / 3) = 0.5; advantages 0.75 / 0.5
+    and -0.25 / 0.5: the all-wrong group gets -0.5 each where GRPO gives it 0. Undivided
+    (scale_adv_by_std=false), r - 0.25. Rewards all 0.1 (whose float sum is not exactly 0.4):
+    every advantage exactly 0."""
+    valid = torch.ones(4, dtype=torch.bool)
+    r = torch.tensor([[1.0], [0.0], [0.0], [0.0]], dtype=torch.float64)
+    cfg = GRPOConfig(group_size=2, adv_eps=0.0, adv_mean="batch", adv_std="batch")
+    adv, std = grpo.advantages(r, [1.0], valid, cfg)
+    assert adv.tolist() == [1.5, -0.5, -0.5, -0.5] and std == 0.5
+    cfg = GRPOConfig(group_size=2, adv_mean="batch", scale_adv_by_std=False)
+    assert grpo.advantages(r, [1.0], valid, cfg)[0].tolist() == [0.75, -0.25, -0.25, -0.25]
+    cfg = GRPOConfig(group_size=2, adv_eps=0.0, adv_mean="batch", adv_std="batch")
+    adv, _ = grpo.advantages(torch.full((4, 1), 0.1, dtype=torch.float64), [1.0], valid, cfg)
+    assert adv.tolist() == [0.0] * 4
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -179,9 +224,12 @@ def test_dynamic_sampling_keeps_what_gdpo_can_learn_from():
 
 @pytest.mark.parametrize("overrides, says", [
     (dict(adv_std="batch", scale_adv_by_std=False), "grpo.adv_std=batch with grpo.scale_adv"),
-    (dict(reward_agg="gdpo", adv_std="batch"), "it ignores grpo.adv_std"),
-    (dict(reward_agg="gdpo", scale_adv_by_std=False), "it ignores grpo.adv_std"),
+    (dict(reward_agg="gdpo", adv_std="batch"), "it ignores grpo.adv_mean"),
+    (dict(reward_agg="gdpo", scale_adv_by_std=False), "it ignores grpo.adv_mean"),
     (dict(reward_agg="gdpo", overlong="penalty", overlong_buffer=2), "grpo.overlong=penalty"),
+    (dict(adv_mean="batch"), "grpo.adv_mean=batch with grpo.adv_std=group"),
+    (dict(adv_mean="batch", adv_std="batch", dynamic_sampling=True), "drops the groups"),
+    (dict(reward_agg="gdpo", adv_mean="batch", scale_adv_by_std=False), "ignores grpo.adv_mean"),
 ])
 def test_refused(overrides, says):
     with pytest.raises(ValueError, match=says):
@@ -200,12 +248,13 @@ def test_over_two_engine_groups(tmp_path):
     got = {(rank, int(key[0]), key[2:]): adv for rank in (0, 1)
            for key, adv in json.loads((tmp_path / f"adv_{rank}.json").read_text()).items()}
     eps = GRPOConfig().adv_eps
-    want = {"batch": naive_batch([(total(b, [2.0, 0.5]), v) for b, v in cases], 4, eps),
-            "gdpo": naive_gdpo(cases, [2.0, 0.5], 4, eps)}
-    alone = {"batch": naive_batch([(total(cases[0][0], [2.0, 0.5]), cases[0][1])], 4, eps),
+    both = [(total(b, [2.0, 0.5]), v) for b, v in cases]
+    want = {"batch": naive_batch(both, 4, eps), "gdpo": naive_gdpo(cases, [2.0, 0.5], 4, eps),
+            "mean": naive_reinforce_pp(both, eps)}
+    alone = {"batch": naive_batch(both[:1], 4, eps), "mean": naive_reinforce_pp(both[:1], eps),
              "gdpo": naive_gdpo(cases[:1], [2.0, 0.5], 4, eps)}
-    assert len(got) == 8
-    for mode in ("batch", "gdpo"):
+    assert len(got) == 12
+    for mode in ("batch", "gdpo", "mean"):
         for rank in (0, 1):
             for tp, expect in ((1, want[mode][rank]), (2, alone[mode][0])):
                 adv = got[(rank, tp, mode)]
