@@ -228,8 +228,10 @@ def refuse_sharing(why: str) -> None:
 
 
 def validate(cfg: GRPOConfig) -> None:
-    """The `grpo` fields across each other, where a surrogate's paper rules a combination out; a
-    one-line ValueError naming the fields and the fix."""
+    """The `grpo` fields across each other, where a surrogate's paper rules a combination out
+    (and the advantages' own rules, `validate_advantages`); a one-line ValueError naming the
+    fields and the fix."""
+    validate_advantages(cfg)
     defaults = GRPOConfig()
     if cfg.policy_loss == "gspo" and cfg.loss_agg != "seq_mean":
         raise ValueError(f"grpo.policy_loss=gspo with grpo.loss_agg={cfg.loss_agg}: GSPO's "
@@ -260,6 +262,22 @@ def validate(cfg: GRPOConfig) -> None:
         raise ValueError(f"grpo.dual_clip with grpo.policy_loss={cfg.policy_loss}: dual-clip "
                          "bounds PPO's clipped surrogate, which that one does not use. Fix: "
                          "grpo.dual_clip=0, or policy_loss ppo, gspo or luspo")
+    ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
+    if cfg.policy_loss in ("sapo", "vespo") and cfg.clip_high != defaults.clip_high:
+        ignored.append(f"clip_high={cfg.clip_high}")
+    if cfg.policy_loss in ("sapo", "cispo", "vespo") and ignored:
+        uses = {"sapo": "gates with grpo.sapo_tau_pos/sapo_tau_neg",
+                "vespo": "weighs with grpo.vespo_k_*/vespo_lambda_*",
+                "cispo": "caps the ratio at 1 + grpo.clip_high, with no lower bound"
+                }[cfg.policy_loss]
+        raise ValueError(f"grpo.policy_loss={cfg.policy_loss} {uses}: it ignores grpo."
+                         f"{' and grpo.'.join(ignored)}. Fix: leave them out, or pick "
+                         "policy_loss ppo or gspo")
+
+
+def validate_advantages(cfg: GRPOConfig) -> None:
+    """The fields that shape the advantages (adv_mean, adv_std, scale_adv_by_std, reward_agg)
+    across each other and the rest: validate's part, the same one-line ValueErrors."""
     if cfg.adv_std == "batch" and not cfg.scale_adv_by_std:
         raise ValueError("grpo.adv_std=batch with grpo.scale_adv_by_std=false: no std divides "
                          "the advantage. Fix: drop one of them")
@@ -281,17 +299,6 @@ def validate(cfg: GRPOConfig) -> None:
         raise ValueError("grpo.reward_agg=gdpo with grpo.overlong=penalty: the penalty adds to "
                          "the weighted sum, which GDPO does not normalise. Fix: grpo.overlong="
                          "mask, or reward_agg=sum")
-    ignored = [f"clip_low={cfg.clip_low}"] if cfg.clip_low != defaults.clip_low else []
-    if cfg.policy_loss in ("sapo", "vespo") and cfg.clip_high != defaults.clip_high:
-        ignored.append(f"clip_high={cfg.clip_high}")
-    if cfg.policy_loss in ("sapo", "cispo", "vespo") and ignored:
-        uses = {"sapo": "gates with grpo.sapo_tau_pos/sapo_tau_neg",
-                "vespo": "weighs with grpo.vespo_k_*/vespo_lambda_*",
-                "cispo": "caps the ratio at 1 + grpo.clip_high, with no lower bound"
-                }[cfg.policy_loss]
-        raise ValueError(f"grpo.policy_loss={cfg.policy_loss} {uses}: it ignores grpo."
-                         f"{' and grpo.'.join(ignored)}. Fix: leave them out, or pick "
-                         "policy_loss ppo or gspo")
 
 
 # ----------------------------------------------------------------------------------------------
