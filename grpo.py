@@ -63,9 +63,8 @@ class GRPOConfig:
     LIVE = ("adv_eps", "scale_adv_by_std", "adv_mean", "adv_std", "reward_agg", "loss_agg",
             "clip_low", "clip_high", "policy_loss", "dppo_ratio_cap", "dppo_anchor", "dual_clip",
             "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "sapo_tau_pos",
-            "sapo_tau_neg",
-            "entropy_coef", "top_entropy_quantile", "ppo_epochs", "mini_batches", "kl_coef",
-            "kl_estimator", "kl_unbiased", "is_correction", "is_cap", "is_cap_low",
+            "sapo_tau_neg", "entropy_coef", "top_entropy_quantile", "ppo_epochs", "mini_batches",
+            "kl_coef", "kl_estimator", "kl_unbiased", "is_correction", "is_cap", "is_cap_low",
             "off_policy_delta", "dynamic_sampling", "max_gen_rounds", "overlong",
             "overlong_buffer", "overlong_penalty_factor", "micro_batch_tokens", "pack",
             "logprob_chunk")
@@ -369,7 +368,8 @@ def advantages(columns: torch.Tensor, weights: list, valid: torch.Tensor, cfg: G
     elif cfg.adv_mean == "batch":
         r = columns[:, 0]
         mean, sd = batch_moments(r, valid, over_engines)
-        # every valid reward equal: the mean's rounding is all that r - mean would hold
+        # every valid reward equal: r - mean then holds only the mean's rounding, a few units of
+        #   2^-52 of |mean| (fp64 sums); 1e-12 x (1 + |mean|) is thousands of them
         signal = valid & (sd > 1e-12 * (1 + abs(mean)))
         adv = (r - mean) / (sd + eps) if cfg.scale_adv_by_std else r - mean
         return adv.masked_fill(~signal, 0.0), sd if cfg.scale_adv_by_std else None
