@@ -51,7 +51,7 @@ import episodes
 import faults
 import fsdp_utils
 import grpo
-from modeling import seq_parallel
+from modeling import hybrid, seq_parallel
 import offload
 import rewards
 import rollout
@@ -383,6 +383,7 @@ def build_trainer(run: Run) -> None:
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(npu_ops.device_type(), (run.world,))
     images = bool(cfg.data.image_key)  # the whole vision-language model
+    hybrid.CHUNK = min(64, cfg.rollout.max_model_len)  # Gated DeltaNet's: a sample's longest
     run.actor = fsdp_utils.build_actor(cfg.model, mesh, images=images,
                                        train_vision=cfg.model.train_vision)
     if cfg.grpo.kl_coef > 0:  # with adapters, the actor's base (fsdp_utils.reference)

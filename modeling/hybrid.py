@@ -45,6 +45,15 @@ MODULES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
            "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"}
 FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
+# The recurrence's chunk on packed rows, in tokens. The chunked rule is exact at any chunk, and
+# transformers pads each sample to whole chunks (64 tokens unless told), so a run of samples of
+# at most 20 tokens pays 64 for each: train_grpo sets it to the longest a sample can be
+# (rollout.max_model_len), up to 64 (measured on CPU, fp32, 64 samples of 7 tokens: forward
+# and backward 169 ms a layer at 64, 43 ms at 20). One value for the run, not one a row: each
+# sample's arithmetic then depends on it alone, whatever row it is packed in (and at sp 1 as
+# at sp 2).
+CHUNK = 64
+
 
 def has_linear_attention(config) -> bool:
     """Whether a model's layers include Gated DeltaNet ones (config.layer_types): a transformers
@@ -277,6 +286,7 @@ def chunk_rule(original, query, key, value, g, beta, cu_seqlens=None, **kwargs):
         raise ValueError("hybrid.chunk_rule: a packed row carries no recurrent state in or out")
     seq, pos, _, _ = where
     keep = {k: v for k, v in kwargs.items() if k in ("chunk_size", "use_qk_l2norm_in_kernel")}
+    keep.setdefault("chunk_size", CHUNK)
     out, _ = original(*(_spread(x, where) for x in (query, key, value)),
                       g=_spread(g, where), beta=_spread(beta, where), **keep)
     return out[seq, pos][None], None

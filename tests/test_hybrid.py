@@ -89,6 +89,20 @@ def test_without_the_reset_the_state_leaks(monkeypatch, arch):
     assert (packed[first:] - alone[first:]).abs().max() > 1e-3
 
 
+def test_a_shorter_chunk_moves_only_the_rounding(monkeypatch):
+    """hybrid.CHUNK (train_grpo: rollout.max_model_len, up to 64): at 16 tokens, below three
+    of the samples' lengths (the 81-token one runs six chunks), a packed row still gives each
+    sample exactly what it gets alone at 16, and what it gets at 64 within the rule's fp32
+    rounding (1e-6 of the largest, as the gradients above), not bit for bit: the rule ran in
+    other chunks."""
+    model, samples = hybrid_model(), samples_of(LENGTHS)
+    at_64, _ = logp_packed_and_alone(model, samples)
+    monkeypatch.setattr(hybrid, "CHUNK", 16)
+    packed, alone = logp_packed_and_alone(model, samples)
+    assert (packed - alone).abs().max() < 1e-10 * alone.abs().max()
+    assert 0 < (packed - at_64).abs().max() < 1e-6 * at_64.abs().max()
+
+
 @ARCHS
 def test_the_fused_pass_is_transformers_forward_of_each_sample(arch):
     """logprobs.run's logprobs and gradients (of the sum of w x logp) on one packed row,

@@ -61,7 +61,7 @@ ALLOWED = {
     "variants": {"config", "snapshot", "tracking", "train_grpo"},
     "train_grpo": {"agents", "npu_ops", "rewards", "tiny_task", "fsdp_utils", "checkpoint", "rollout",
                    "weight_sync", "grpo", "config", "data", "tracking", "episodes", "offload",
-                   "partial", "sampler", "distill", "seq_parallel",
+                   "partial", "sampler", "distill", "seq_parallel", "hybrid",
                    "batcher", "snapshot", "faults", "trainer"},
 }
 
