@@ -1,9 +1,10 @@
 """Ulysses sequence parallelism (seq_parallel.py, model.sp_size) on 2 CPU ranks against one
 process's computation on the whole row, in fp64. Tolerance: the same fp64 sums in other orders
 (attention over at most 21 keys, products of 32 terms; gradients summed over two ranks in FSDP's
-reduce-scatter instead of once): errors ~1e-15 relative; 1e-12 (1e-9 for gradients, which sum
-over every token) still catches a token or head in the wrong place, a lost target at a split or
-a token counted twice, each of which changes the result at 1e-2 and more."""
+reduce-scatter instead of once): errors ~1e-15 relative; 1e-12 (1e-10 of the largest for
+gradients, which sum over every token) still catches a token or head in the wrong place, a lost
+target at a split or a token counted twice, each of which changes the result at 1e-2 and
+more."""
 
 import shutil
 
@@ -38,8 +39,8 @@ def test_sp_2_updates_as_sp_1(tiny_models, tmp_path, kv_heads):
 
 def test_sp_2_updates_as_sp_1_on_a_hybrid(tiny_hybrid):
     """The tiny Qwen3.5: two Gated DeltaNet layers (4 value heads, 1,024 convolution channels)
-    between its full-attention ones; the worker's docstring gives the bound of the gradients
-    transformers computes in fp32."""
+    between its full-attention ones, fp64 throughout (the worker lifts transformers' `.float()`
+    casts: its comment says why)."""
     out = launch(["tests/workers/sp_parity.py", tiny_hybrid])
     assert out.count("SP_PARITY_OK") == 2, out[-3000:]
     assert out.count("sp 2 equals sp 1") == 8
